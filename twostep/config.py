@@ -1,0 +1,59 @@
+"""Engine configuration: vLLM's names where the concept is the same."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None               # folder, .gguf file or hub id; None -> packaged default
+    dtype: str = "auto"                    # auto | float32 | bfloat16 | float16
+    device: str = "auto"                   # auto | cpu | cuda[:N]
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None       # default: the model's max_position_embeddings
+    kv_cache_memory: str | int | None = None   # e.g. "2GiB"; default: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.25     # of free memory, when kv_cache_memory is unset
+    attention_backend: str = "reference"
+    seed: int = 0                          # for requests without their own seed
+    num_threads: int | None = None         # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 where the hardware computes it natively, else float32 (never float16 on
+    CPU, whose matmuls fall back to a scalar path). See docs/architecture.md for the measurement."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

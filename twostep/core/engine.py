@@ -1,0 +1,296 @@
+"""The engine loop: add requests, step, abort. Each step schedules, runs the model once on a
+mixed batch of prefill chunks and decodes, samples, and turns new tokens into outputs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from twostep.config import EngineConfig, resolve_device, resolve_dtype
+from twostep.core.detokenizer import IncrementalDetokenizer
+from twostep.core.model_runner import ModelRunner, StepResult
+from twostep.core.request import Request
+from twostep.core.sampler import Sampler
+from twostep.core.scheduler import Scheduler
+from twostep.core.tokenizer import Tokenizer
+from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
+from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.layers.attention import get_attention_backend
+from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
+from twostep.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from twostep.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; figures are derived from these, never estimated."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0      # prompt (and recomputed) tokens pushed through the model
+    num_decode_tokens: int = 0       # tokens generated
+    num_preemptions: int = 0
+    peak_blocks_used: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        ckpt = load_checkpoint(self.model_path, self.dtype)
+        self.model_config = ckpt.config
+        self.tokenizer = _make_tokenizer(ckpt)
+        self.max_model_len = _max_model_len(config, ckpt.config)
+        self.model = build_model(ckpt, self.dtype, self.device, self.max_model_len)
+        del ckpt
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.model_config, self.model_path)
+        self.kv_plan = self._plan_kv()
+        logger.info(self.kv_plan.describe())
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        kv_caches = allocate_kv_cache(self.kv_plan, self.model_config.num_layers,
+                                      self.model_config.num_kv_heads, self.model_config.head_dim,
+                                      self.dtype, self.device)
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size,
+                                  get_attention_backend(config.attention_backend), self.device, sampler)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._pending: list[RequestOutput] = []
+        self._next_id = 0
+        logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d",
+                    self.model_path, self.model_config.architecture, self.model_config.num_layers,
+                    str(self.dtype).removeprefix("torch."), self.device, self.max_model_len)
+
+    @classmethod
+    def from_args(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs))
+
+    def _plan_kv(self) -> KVCachePlan:
+        c = self.config
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return plan_kv_cache(self.model_config.kv_bytes_per_token(dtype_bytes), c.block_size,
+                             self.device, c.kv_cache_memory, c.kv_cache_memory_fraction,
+                             c.max_num_seqs * self.max_model_len)
+
+    # ---- public API -------------------------------------------------------------------
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate, tokenize and queue a request; raises ValueError on bad input, leaving
+        the engine and every other request untouched."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = self._new_id()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids)
+        params = dataclasses.replace(params)
+        params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
+        request = Request(
+            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic(),
+                                   num_prompt_tokens=len(ids)),
+            generator=self._generator(params.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
+                                               params.include_stop_str_in_output,
+                                               params.skip_special_tokens),
+        )
+        limit = self.max_model_len if params.max_tokens is None else len(ids) + params.max_tokens
+        request.max_total_tokens = min(limit, self.max_model_len)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                self._finish(request, "abort")
+                self._pending.append(self._make_output(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision, one forward pass, one token for each request that
+        completed its known tokens. Returns outputs of requests that changed."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for request in sched.cannot_fit:
+            logger.warning("request %s no longer fits in the whole KV cache; ending it",
+                           request.request_id)
+            self._finish(request, "length")
+            outputs.append(self._make_output(request))
+        if sched.is_empty:
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        results = self.runner.execute(sched, self.kv)
+        self._account(sched)
+        now = time.monotonic()
+        for result in results:
+            out = self._process(result, now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: give at least one character or token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             "which must leave room for at least one generated token")
+        if not self.kv.can_ever_fit(len(ids) + 1):
+            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds "
+                             f"{self.kv_plan.num_tokens}; raise --kv-cache-memory")
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _account(self, sched) -> None:
+        st = self.stats
+        st.num_steps += 1
+        for s in sched.scheduled:
+            prompt_part = max(0, min(s.start + s.num_tokens, s.request.num_tokens - 1) - s.start)
+            st.num_prefill_tokens += prompt_part if s.num_tokens > 1 else 0
+        st.num_preemptions = self.scheduler.num_preemptions
+        st.peak_blocks_used = max(st.peak_blocks_used, self.kv.pool.num_used_blocks)
+
+    def _process(self, result: StepResult, now: float) -> RequestOutput | None:
+        s = result.scheduled
+        request = s.request
+        request.num_computed_tokens = s.start + s.num_tokens
+        if result.prompt_logprobs:
+            request.prompt_logprobs.extend(result.prompt_logprobs)
+        if result.token_id is None:
+            return None
+        self.stats.num_decode_tokens += 1
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        m.last_token_time = now
+        request.append_token(result.token_id)
+        m.num_generated_tokens = len(request.output_token_ids)
+        if result.logprobs is not None:
+            request.output_logprobs.append(result.logprobs)
+            request.cumulative_logprob += result.logprobs[result.token_id].logprob
+        prev_len = len(request.output_token_ids) - 1
+        self._check_stop(request, result.token_id)
+        return self._make_output(request, new_tokens_from=prev_len)
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        p = request.params
+        n_out = len(request.output_token_ids)
+        past_min = n_out >= p.min_tokens
+        if past_min and token in p.all_stop_token_ids:
+            return self._finish(request, "stop")
+        if past_min and token in p.stop_token_ids:
+            request.stop_reason = token
+            return self._finish(request, "stop")
+        matched = request.detokenizer.update([token])
+        if past_min and matched is not None:
+            request.stop_reason = matched
+            return self._finish(request, "stop")
+        if request.num_tokens >= request.max_total_tokens:
+            return self._finish(request, "length")
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(request)
+
+    def _make_output(self, request: Request, new_tokens_from: int | None = None) -> RequestOutput:
+        det = request.detokenizer
+        delta = det.get_delta()
+        if request.is_finished:
+            delta += det.flush()  # the held-back tail (a stop string already cut it off)
+        request.emitted_text += delta
+        ids = request.output_token_ids
+        completion = CompletionOutput(
+            index=0, text=request.emitted_text, token_ids=list(ids),
+            cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            delta_text=delta,
+            delta_token_ids=list(ids[new_tokens_from:]) if new_tokens_from is not None else [],
+        )
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
+            outputs=[completion], finished=request.is_finished, metrics=request.metrics,
+            num_cached_tokens=request.metrics.num_cached_tokens,
+        )
+
+
+def _make_tokenizer(ckpt) -> Tokenizer:
+    if isinstance(ckpt.tokenizer_source, str):
+        return Tokenizer.from_folder(ckpt.tokenizer_source)
+    g = ckpt.tokenizer_source
+    return Tokenizer(g.tokenizer, g.tokenizer_config, g.generation_config)
+
+
+def _max_model_len(config: EngineConfig, model_config) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None and model_config.sliding_window < limit:
+        logger.info("capping max_model_len at the sliding window (%d): within it attention is "
+                    "exactly full causal", model_config.sliding_window)
+        limit = model_config.sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds what the model supports "
+                         f"({limit}{' (sliding window)' if limit == model_config.sliding_window else ''})")
+    return config.max_model_len
+
+
+def _eos_ids(tokenizer: Tokenizer, model_config, path: str) -> set[int]:
+    ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+    if not ids:
+        logger.warning("model %s declares no EOS token: generation stops only at max_tokens, "
+                       "stop strings or stop_token_ids", path)
+    return ids

@@ -1,0 +1,125 @@
+"""Turns a SchedulerOutput into one flat, unpadded forward pass and samples from it.
+
+Inputs per step: input_ids and positions of every scheduled token, slot_mapping (where each
+new token's K/V goes), block tables and lengths for attention. lm_head runs only on the
+rows that need logits: the last token of each request that samples this step, plus prompt
+positions of requests that asked for prompt_logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from twostep.core.sampler import Sampler, SamplingRow, prompt_logprobs
+from twostep.core.scheduler import ScheduledRequest, SchedulerOutput
+from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.layers.attention import AttentionBackend, AttentionMetadata
+from twostep.models.decoder import DecoderForCausalLM
+from twostep.outputs import PositionLogprobs
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced for one scheduled request."""
+
+    scheduled: ScheduledRequest
+    token_id: int | None = None                  # None for a prefill chunk that samples nothing
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class _LogitRows:
+    sample_index: dict[int, int]                 # scheduled position -> row in logits
+    prompt_rows: dict[int, tuple[int, int, int]] # scheduled position -> (first row, count, first target pos)
+    flat_indices: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                 backend: AttentionBackend, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.backend = backend
+        self.device = device
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[StepResult]:
+        items = sched.scheduled
+        input_ids, positions, meta = self._prepare(items, kv)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        rows = self._logit_rows(items, meta)
+        if not rows.flat_indices:
+            return [StepResult(s) for s in items]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows.flat_indices, device=self.device)])
+        return self._results(items, logits, rows)
+
+    def _prepare(self, items: list[ScheduledRequest], kv: KVCacheManager):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts, qlens, slens, tables = [0], [], [], []
+        bs = self.block_size
+        for s in items:
+            req, end = s.request, s.start + s.num_tokens
+            block_ids = kv.block_ids(req.request_id)
+            ids.extend(req.all_token_ids[s.start:end])
+            pos.extend(range(s.start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
+            starts.append(starts[-1] + s.num_tokens)
+            qlens.append(s.num_tokens)
+            slens.append(end)
+            tables.append(block_ids)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        decode_rows = [i for i, q in enumerate(qlens) if q == 1]
+        meta = AttentionMetadata(
+            query_start_loc=starts, query_lens=qlens, seq_lens=slens,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=table.to(self.device), block_size=bs,
+            decode_rows=decode_rows,
+            prefill_rows=[i for i, q in enumerate(qlens) if q > 1],
+            decode_seq_lens=torch.tensor([slens[i] for i in decode_rows], device=self.device),
+        )
+        to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return to_dev(ids), to_dev(pos), meta
+
+    def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
+        rows = _LogitRows({}, {}, [])
+        for i, s in enumerate(items):
+            req, first = s.request, meta.query_start_loc[i]
+            if req.wants_prompt_logprobs:
+                # Logits at prompt position p score prompt token p + 1.
+                lo = max(s.start, len(req.prompt_logprobs) - 1)
+                hi = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    rows.prompt_rows[i] = (len(rows.flat_indices), hi - lo, lo + 1)
+                    rows.flat_indices.extend(first + p - s.start for p in range(lo, hi))
+            if s.completes_known_tokens:
+                rows.sample_index[i] = len(rows.flat_indices)
+                rows.flat_indices.append(first + s.num_tokens - 1)
+        return rows
+
+    def _results(self, items, logits: torch.Tensor, rows: _LogitRows) -> list[StepResult]:
+        results = [StepResult(s) for s in items]
+        for i, (row, count, target) in rows.prompt_rows.items():
+            req = items[i].request
+            targets = req.prompt_token_ids[target:target + count]
+            results[i].prompt_logprobs = prompt_logprobs(
+                logits[row:row + count], targets, req.params.prompt_logprobs)
+        sampling = list(rows.sample_index.items())
+        if sampling:
+            sample_rows = [
+                SamplingRow(items[i].request.params, items[i].request.prompt_token_ids,
+                            items[i].request.output_token_ids, items[i].request.generator)
+                for i, _ in sampling
+            ]
+            picked = logits[torch.tensor([r for _, r in sampling], device=logits.device)]
+            out = self.sampler(picked, sample_rows)
+            for k, (i, _) in enumerate(sampling):
+                results[i].token_id = out.token_ids[k]
+                results[i].logprobs = out.logprobs[k]
+        return results

@@ -1,0 +1,112 @@
+"""`twostep generate`: stream one completion and end with a one-line phase summary."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from twostep.config import EngineConfig
+from twostep.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help='KV cache size, e.g. "2GiB" (default: '
+                   f"{d.kv_cache_memory_fraction:.0%} of free memory, capped at what can be used)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+        num_threads=args.num_threads,
+    )
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from twostep.core.engine import LLMEngine
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=args.stop, ignore_eos=args.ignore_eos)
+    engine = LLMEngine(engine_config_from(args))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = engine.tokenizer.encode_chat(messages)
+    rid = engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                final = out
+    sys.stdout.write("\n")
+    print(summary_line(final, engine), file=sys.stderr)
+    return 0
+
+
+def summary_line(out, engine) -> str:
+    m = out.metrics
+    n_gen = m.num_generated_tokens
+    ttft = m.ttft or 0.0
+    tpot = m.tpot
+    decode_time = (m.last_token_time - m.first_token_time) if n_gen > 1 else 0.0
+    decode_tps = (n_gen - 1) / decode_time if decode_time > 0 else float("nan")
+    prefill_tps = m.num_prompt_tokens / ttft if ttft > 0 else float("nan")
+    blocks = engine.kv.blocks_needed(len(out.prompt_token_ids) + n_gen)
+    return (f"[{out.outputs[0].finish_reason}] prompt {m.num_prompt_tokens} tok | generated {n_gen} tok | "
+            f"TTFT {ttft * 1e3:.1f} ms (prefill {prefill_tps:.0f} tok/s) | "
+            f"TPOT {tpot * 1e3 if tpot else float('nan'):.1f} ms (decode {decode_tps:.1f} tok/s) | "
+            f"KV blocks {blocks}/{engine.kv_plan.num_blocks} x {engine.kv.block_size}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twostep", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

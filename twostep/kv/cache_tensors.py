@@ -1,0 +1,81 @@
+"""Sizing and allocating the KV cache tensors: one [2, num_blocks, block_size, kv_heads, head_dim]
+tensor per layer (K at index 0, V at 1)."""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12,
+          "TIB": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5G' or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"kv_cache_memory {text!r} is not a size like '2GiB' or '512MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(slots=True, frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token "
+                f"(2 x layers x kv_heads x head_dim x dtype bytes), "
+                f"{self.total_bytes / 2**20:.1f} MiB; largest context that fits: {self.num_tokens} tokens")
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
+
+
+def plan_kv_cache(bytes_per_token: int, block_size: int, device: torch.device,
+                  kv_cache_memory: str | int | None, memory_fraction: float,
+                  max_useful_tokens: int) -> KVCachePlan:
+    """Blocks from an explicit budget, or from a fraction of free memory capped at what
+    max_num_seqs sequences of max_model_len tokens could ever use."""
+    bytes_per_block = bytes_per_token * block_size
+    if kv_cache_memory is not None:
+        budget = parse_bytes(kv_cache_memory)
+    else:
+        budget = int(available_memory(device) * memory_fraction)
+        budget = min(budget, -(-max_useful_tokens // block_size) * bytes_per_block)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes;"
+                         " raise --kv-cache-memory")
+    return KVCachePlan(num_blocks, block_size, bytes_per_token)
+
+
+def allocate_kv_cache(plan: KVCachePlan, num_layers: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    shape = (2, plan.num_blocks, plan.block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,117 @@
+"""Attention over the paged KV cache for one flat, mixed batch.
+
+The batch is a concatenation of sequences without padding. Sequence i contributes
+query_lens[i] new tokens that sit at the end of its context of seq_lens[i] tokens:
+a decode has query_len 1, a prefill chunk starting at any offset has more. Every new
+token's K/V is written to its slot (slot_mapping) first, then each query attends to
+every cached position up to and including its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the model runner; shared by every layer."""
+
+    query_start_loc: list[int]       # [B+1] offsets of each sequence's tokens in the flat batch
+    query_lens: list[int]            # [B]
+    seq_lens: list[int]              # [B] context length after this step (cached + new)
+    slot_mapping: torch.Tensor       # [T] int64: block_id * block_size + offset for each new token
+    block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
+    block_size: int
+    decode_rows: list[int]           # sequences with query_len 1 (batched together)
+    prefill_rows: list[int]          # sequences with query_len > 1
+    decode_seq_lens: torch.Tensor | None = None   # [len(decode_rows)] on device
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> [T, H, D]."""
+        ...
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    num_blocks, block_size, heads, dim = kv_cache.shape[1:]
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+class ReferenceAttention:
+    """Pure PyTorch; runs on any device. Decodes are batched into one padded SDPA call;
+    each prefill chunk gets its own call with a causal mask offset by its cached prefix."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_rows:
+            self._decode(q, kv_cache, meta, scale, out)
+        for row in meta.prefill_rows:
+            self._prefill(q, k, v, kv_cache, meta, row, scale, out)
+        return out
+
+    def _decode(self, q, kv_cache, meta, scale, out) -> None:
+        rows = meta.decode_rows
+        starts = [meta.query_start_loc[r] for r in rows]
+        max_len = max(meta.seq_lens[r] for r in rows)
+        tables = meta.block_tables[rows, : _blocks_for(max_len, meta.block_size)]
+        keys, values = _gather(kv_cache, tables, max_len)              # [B, L, Hkv, D]
+        idx = torch.tensor(starts, device=q.device)
+        queries = q[idx].unsqueeze(2)                                  # [B, H, 1, D]
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
+        o = _sdpa(queries, keys, values, mask, scale)                  # [B, H, 1, D]
+        out[idx] = o.squeeze(2).to(out.dtype)
+
+    def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
+        start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]
+        queries = q[start:start + qlen].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
+        if slen == qlen:  # nothing cached before this chunk: attend to its own K/V
+            keys, values = k[start:start + qlen][None], v[start:start + qlen][None]
+            mask = None
+        else:
+            table = meta.block_tables[row: row + 1, : _blocks_for(slen, meta.block_size)]
+            keys, values = _gather(kv_cache, table, slen)
+            # query i sits at position (slen - qlen + i) and sees keys at positions <= that
+            qpos = torch.arange(slen - qlen, slen, device=q.device)
+            mask = (torch.arange(slen, device=q.device)[None, :] <= qpos[:, None])[None, None]
+        o = _sdpa(queries, keys, values, mask, scale, causal=mask is None)
+        out[start:start + qlen] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int):
+    """Block tables [B, n] -> contiguous keys and values [B, length, Hkv, D]."""
+    blocks = kv_cache[:, tables]                     # [2, B, n, block_size, Hkv, D]
+    two, b, n, bs, h, d = blocks.shape
+    blocks = blocks.reshape(two, b, n * bs, h, d)[:, :, :length]
+    return blocks[0], blocks[1]
+
+
+def _sdpa(q, keys, values, mask, scale, causal: bool = False) -> torch.Tensor:
+    """q [B, H, q, D]; keys/values [B, L, Hkv, D]; grouped heads share their K/V head."""
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                          scale=scale)
+
+
+def get_attention_backend(name: str = "reference") -> AttentionBackend:
+    if name == "reference":
+        return ReferenceAttention()
+    raise ValueError(f"unknown attention backend {name!r}: available: reference")

