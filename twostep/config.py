@@ -19,6 +19,7 @@ class EngineConfig:
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     kv_cache_memory: str | int | None = None   # e.g. "2GiB"; default: a fraction of free memory
     kv_cache_memory_fraction: float = 0.25     # of free memory, when kv_cache_memory is unset
+    num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
     attention_backend: str = "reference"
     seed: int = 0                          # for requests without their own seed
     num_threads: int | None = None         # torch intra-op threads on CPU

@@ -82,7 +82,7 @@ class LLMEngine:
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         return plan_kv_cache(self.model_config.kv_bytes_per_token(dtype_bytes), c.block_size,
                              self.device, c.kv_cache_memory, c.kv_cache_memory_fraction,
-                             c.max_num_seqs * self.max_model_len)
+                             c.max_num_seqs * self.max_model_len, c.num_kv_blocks)
 
     # ---- public API -------------------------------------------------------------------
 

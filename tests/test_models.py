@@ -1,0 +1,99 @@
+"""The decoder against transformers, for every supported architecture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCH_CONFIGS, load_hf
+from twostep import SamplingParams
+from twostep.core.engine import LLMEngine
+from twostep.config import EngineConfig
+
+ARCHS = list(ARCH_CONFIGS)
+PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 64]
+
+
+def random_prompts(lengths=PROMPT_LENGTHS, seed=1, vocab=384):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_for(folder, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32",
+                                  kv_cache_memory=kw.pop("kv_cache_memory", "8MiB"), **kw))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(tiny_model_dir, arch):
+    folder = tiny_model_dir(arch)
+    hf = load_hf(folder)
+    engine = engine_for(folder)
+    prompts = random_prompts([5, 40, 64], seed=2)
+    for p in prompts:  # one mixed batch: three prefills side by side
+        engine.add_request(p, SamplingParams(max_tokens=1))
+    sched = engine.scheduler.schedule()
+    assert len(sched.scheduled) == 3
+    logits = engine.runner.all_logits(sched, engine.kv)
+    offset = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        ours = logits[offset:offset + len(p)]
+        offset += len(p)
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_matches_transformers_alone(tiny_model_dir, arch):
+    folder = tiny_model_dir(arch)
+    hf = load_hf(folder)
+    from twostep import LLM
+
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB")
+    prompts = random_prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), f"prompt of {len(p)} tokens"
+        assert o.outputs[0].finish_reason == "length"
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    import json
+
+    from twostep.models.config import ModelConfig
+
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        ModelConfig.from_hf(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="supports"):
+        engine_for(tmp_path)
+
+
+def test_unsupported_rope_scaling_is_refused():
+    from twostep.models.config import ModelConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="llama3, linear"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "mistral", sliding_window=128)
+    engine = engine_for(folder)
+    assert engine.max_model_len == 128
+    with pytest.raises(ValueError, match="sliding window"):
+        engine_for(folder, max_model_len=256)

@@ -1,0 +1,358 @@
+"""Read a llama-architecture GGUF file into what a HF checkpoint folder would give us.
+
+`load_gguf(path, dtype)` returns a `GGUFCheckpoint`: a HF-style config dict, the weights under HF
+Llama parameter names (dequantised to float32, then cast to `dtype`), a `tokenizers.Tokenizer` built
+from the vocabulary stored in the file, and tokenizer / generation settings.
+
+Choices worth knowing:
+
+* BOS. `tokenizer_config["add_bos_token"]` says whether the model expects a BOS token in front of
+  every prompt: the file's `tokenizer.ggml.add_bos_token` when present, otherwise True for a
+  sentencepiece ("llama") vocabulary and False for any other. Those are llama.cpp's defaults and
+  what transformers' GGUF tokenizer does. The returned tokenizer's post-processor already applies
+  that flag (and `add_eos_token`), so `tokenizer.encode(text, add_special_tokens=True)` gives the
+  same ids as HF's tokenizer for the model, and a caller that prepends BOS itself when
+  `add_bos_token` is true must first check the post-processor did not already do it.
+* Special-token ids outside the vocabulary (stories260K.gguf declares padding id 0xFFFFFFFF, llama.cpp's
+  "none") are treated as absent.
+* Llama 3.x files carry their rope scaling as a `rope_freqs.weight` tensor of per-frequency factors,
+  which has no HF config equivalent here; it is skipped with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from tokenizers import AddedToken, Tokenizer, processors
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Every type gguf.quants can dequantise that llama files commonly use. F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
+# the required set; the Q5 and K-quants come for free from the same gguf.quants call.
+SUPPORTED_TENSOR_TYPES = (
+    QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+)
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+
+# llama.cpp's special-token keys -> our names. eot/eom are end-of-turn markers (Llama 3's <|eot_id|>)
+# that generation must stop at as well as eos.
+_SPECIAL_TOKEN_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+    "eot": "tokenizer.ggml.eot_token_id",
+    "eom": "tokenizer.ggml.eom_token_id",
+}
+
+_REQUIRED = object()
+
+
+@dataclass
+class GGUFCheckpoint:
+    hf_config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    tokenizer_config: dict
+    generation_config: dict
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Load a llama GGUF file: HF config, HF-named weights in `dtype`, tokenizer and its settings."""
+    path = os.fspath(path)
+    reader = gguf.GGUFReader(path)
+    _check_supported(reader, path)
+
+    tokens = _field(reader, "tokenizer.ggml.tokens", path)
+    special = _special_token_ids(reader, path, len(tokens))
+    hf_config = _hf_config(reader, path, special)
+    tensors = _load_tensors(reader, hf_config, dtype, path)
+    tokenizer, tokenizer_config = _build_tokenizer(reader, path, tokens, special)
+    generation_config = _generation_config(special)
+
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    logger.info("loaded GGUF %s: architecture llama, %d layers, tensor types %s, %d tensors",
+                os.path.basename(path), hf_config["num_hidden_layers"], "/".join(types), len(tensors))
+    return GGUFCheckpoint(hf_config, tensors, tokenizer, tokenizer_config, generation_config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# metadata
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = _REQUIRED) -> Any:
+    """A metadata value as a Python object; a missing required key is a malformed file."""
+    field = reader.get_field(key)
+    if field is not None:
+        return field.contents()
+    if default is _REQUIRED:
+        raise ValueError(f"{path}: GGUF metadata lacks required key {key!r}")
+    return default
+
+
+def _check_supported(reader: gguf.GGUFReader, path: str) -> None:
+    """Refuse up front, before any dequantising, what we cannot load correctly."""
+    arch = _field(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    bad = sorted({f"{t.name} ({t.tensor_type.name})" for t in reader.tensors
+                  if t.tensor_type not in SUPPORTED_TENSOR_TYPES})
+    if bad:
+        names = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+        raise ValueError(f"{path}: unsupported GGUF tensor types in {', '.join(bad[:3])}"
+                         f"{' ...' if len(bad) > 3 else ''}; supported: {names}")
+
+
+def _special_token_ids(reader: gguf.GGUFReader, path: str, vocab_size: int) -> dict[str, int | None]:
+    """Special-token ids, None where absent. Out-of-range ids are llama.cpp's way of saying 'none'."""
+    ids = {}
+    for name, key in _SPECIAL_TOKEN_KEYS.items():
+        value = _field(reader, key, path, default=None)
+        ids[name] = value if value is not None and 0 <= value < vocab_size else None
+    return ids
+
+
+def _float32_value(value: float) -> float:
+    """GGUF stores floats as float32; 1e-5 reads back as 9.99999974e-06. Take the shortest decimal
+    that is the same float32, which is what the model's config.json held."""
+    return float(str(np.float32(value)))
+
+
+def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> dict:
+    def meta(key: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"llama.{key}", path, default)
+
+    heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
+    # llama.cpp's defaults: head size is hidden/heads unless stated, RoPE covers the whole head.
+    head_dim = meta("attention.key_length", hidden // heads)
+    rope_dim = meta("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim "
+                         f"{head_dim}) are not supported; supported: RoPE over the whole head")
+    embedding = _tensor_info(reader, "token_embd.weight", path)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, path),
+        "max_position_embeddings": meta("context_length"),
+        # The embedding's row count (last in ggml's order), not the token list: the weights are what
+        # the model is built from.
+        "vocab_size": int(embedding.shape[-1]),
+        "tie_word_embeddings": _tensor_info(reader, "output.weight", path, required=False) is None,
+        "bos_token_id": special["bos"],
+        "eos_token_id": special["eos"],
+        "pad_token_id": special["pad"],
+    }
+
+
+def _rope_scaling(reader: gguf.GGUFReader, path: str) -> dict | None:
+    """HF rope_scaling from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
+    kind = _field(reader, "llama.rope.scaling.type", path, None)
+    factor = _field(reader, "llama.rope.scaling.factor", path, None)
+    if kind is None and (old_linear := _field(reader, "llama.rope.scale_linear", path, None)):
+        kind, factor = "linear", old_linear
+    if kind in (None, "none") or factor in (None, 0.0, 1.0):
+        return None
+    scaling = {"rope_type": kind, "factor": _float32_value(factor)}
+    original = _field(reader, "llama.rope.scaling.original_context_length", path, None)
+    if original:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _generation_config(special: dict[str, int | None]) -> dict:
+    stop_ids = list(dict.fromkeys(i for i in (special["eos"], special["eot"], special["eom"])
+                                  if i is not None))
+    eos = stop_ids[0] if len(stop_ids) == 1 else (stop_ids or None)
+    return {"bos_token_id": special["bos"], "eos_token_id": eos}
+
+
+# ---------------------------------------------------------------------------------------------------
+# tensors
+
+
+def _tensor_info(reader: gguf.GGUFReader, name: str, path: str, required: bool = True):
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tensor
+    if required:
+        raise ValueError(f"{path}: GGUF file has no tensor {name!r}")
+    return None
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_TENSOR_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_TENSORS:
+        # Loading around an unknown tensor would run a different model than the file describes.
+        raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a llama GGUF")
+    layer, part = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.weight"
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # ggml lists dimensions fastest-moving first; torch wants them the other way round.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # np.array copies: F32 data is a read-only view of the memory-mapped file.
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp rotates adjacent pairs of each head's rows, so its converter interleaves the two halves
+    HF's rotate_half works on (HF rows per head: x0..x{d/2-1}, y0..y{d/2-1}; GGUF: x0, y0, x1, y1, ...).
+    """
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
+                  path: str) -> dict[str, torch.Tensor]:
+    rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_TENSORS:
+            logger.warning("%s: ignoring %s (llama3-style RoPE frequency factors); long-context "
+                           "outputs may differ from llama.cpp", path, tensor.name)
+            continue
+        name = _hf_name(tensor.name, path)
+        weight = _dequantize(tensor)
+        projection = name.split(".")[-2]
+        if projection in rotary_heads:
+            weight = _unpermute_rotary_rows(weight, rotary_heads[projection])
+        tensors[name] = weight.to(dtype)
+    _check_complete(tensors, config["num_hidden_layers"], path)
+    return tensors
+
+
+def _check_complete(tensors: dict[str, torch.Tensor], num_layers: int, path: str) -> None:
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    expected |= {f"model.layers.{i}.{part}.weight" for i in range(num_layers)
+                 for part in _BLOCK_TENSORS.values()}
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ValueError(f"{path}: GGUF file lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _gguf_tokenizer_converter():
+    """transformers' GGUF tokenizer conversion; it moved from integrations.ggml in transformers 5."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    return GGUF_TOKENIZER_MAPPING["tokenizer"], convert_gguf_tokenizer
+
+
+def _build_tokenizer(reader: gguf.GGUFReader, path: str, tokens: list[str],
+                     special: dict[str, int | None]) -> tuple[Tokenizer, dict]:
+    tokenizer = _convert_vocabulary(reader, path, special)
+    strings = {name: None if special[name] is None else tokens[special[name]]
+               for name in ("bos", "eos", "unk", "pad")}
+    # HF's tokenizer class registers these as special tokens on top of the vocabulary, so they are
+    # matched whole in text and dropped by decode(skip_special_tokens=True); do the same.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in dict.fromkeys(strings.values()) if t is not None])
+
+    add_bos, add_eos = _add_bos_eos(reader, path, special)
+    bos = (strings["bos"], special["bos"]) if add_bos else None
+    eos = (strings["eos"], special["eos"]) if add_eos else None
+    tokenizer.post_processor = _special_token_template(bos, eos)
+
+    tokenizer_config = {
+        "bos_token": strings["bos"],
+        "eos_token": strings["eos"],
+        "unk_token": strings["unk"],
+        "pad_token": strings["pad"],
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "chat_template": _field(reader, "tokenizer.chat_template", path, None),
+    }
+    return tokenizer, tokenizer_config
+
+
+def _convert_vocabulary(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> Tokenizer:
+    """transformers' conversion of the file's vocabulary (and merges) into a fast tokenizer."""
+    key_names, convert = _gguf_tokenizer_converter()
+    # The same metadata transformers' from_pretrained hands to the converter, except that the
+    # out-of-range special ids are dropped: transformers' own reading of them crashes.
+    tokenizer_dict = {name: _field(reader, f"tokenizer.{key}", path, None) for key, name in key_names.items()}
+    tokenizer_dict = {name: value for name, value in tokenizer_dict.items()
+                      if value is not None and not name.endswith("_token_id")}
+    tokenizer_dict |= {f"{name}_token_id": special[name] for name in ("bos", "eos", "unk", "pad")
+                       if special[name] is not None}
+    tokenizer, _ = convert(_field(reader, "general.architecture", path), tokenizer_dict)
+    return tokenizer
+
+
+def _add_bos_eos(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> tuple[bool, bool]:
+    """Whether the model expects BOS / EOS around every text: the file's flags if it has them, else
+    llama.cpp's defaults (BOS for a sentencepiece vocabulary only, never EOS)."""
+    sentencepiece = _field(reader, "tokenizer.ggml.model", path) == "llama"
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", path, sentencepiece))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", path, False))
+    # a flag naming a token the file does not have cannot be honoured
+    return add_bos and special["bos"] is not None, add_eos and special["eos"] is not None
+
+
+def _special_token_template(bos: tuple[str, int] | None,
+                            eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+    """The post-processor HF's tokenizer uses: [BOS] text [EOS], each only if given.
+
+    Set explicitly because the converted tokenizer's own template ignores the file's add_bos flag.
+    """
+    prefix = [bos[0]] if bos else []
+    suffix = [eos[0]] if eos else []
+    return processors.TemplateProcessing(
+        single=prefix + ["$A:0"] + suffix,
+        pair=prefix + ["$A:0"] + suffix + prefix + ["$B:1"] + suffix,
+        # deduplicated: a few vocabularies use one token for both
+        special_tokens=list(dict(t for t in (bos, eos) if t).items()),
+    )
