@@ -167,6 +167,30 @@ def test_partial_character_at_end_is_held_then_flushed(tokenizers_by_kind):
     assert detok.flush() == "" and detok.update(full[-1:]) is None   # finished: nothing more
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_generation_cut_off_anywhere(tokenizers_by_kind, kind):
+    """Stop after every possible number of tokens, often mid-character: the streamed deltas are
+    always a clean prefix of the text, and flush() returns the decoded rest."""
+    tok = tokenizers_by_kind[kind]
+    ids = tok.encode(SAMPLE, add_special_tokens=False)
+    for k in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tok, [])
+        streamed = ""
+        for i in ids[:k]:
+            detok.update([i])
+            streamed += detok.get_delta()
+        assert SAMPLE.startswith(streamed)
+        tail = detok.flush()
+        assert streamed + tail == detok.output_text
+        full = tok.decode(ids[:k])
+        if kind == "byte_level" or "\ufffd" not in full:
+            assert detok.output_text == full
+        else:
+            # ByteFallback replaces a whole invalid run of <0xNN> tokens, including complete
+            # characters before the cut that were already streamed; those stay as streamed.
+            assert tail and set(tail) <= {"\ufffd"}
+
+
 def test_invalid_byte_fallback_sequence_does_not_break_streaming(tokenizers_by_kind):
     # A valid byte, then a lone lead byte, then text: ByteFallback rewrites the whole byte run as
     # U+FFFD, which makes tokenizers' DecodeStream raise; the stream must carry on.
@@ -289,3 +313,12 @@ def test_updates_after_stop_are_ignored(tokenizers_by_kind):
     assert detok.finished
     assert detok.update(tok.encode(" more", add_special_tokens=False)) is None
     assert detok.get_delta() + detok.flush() == "lazy " == detok.output_text
+
+
+def test_check_stop_false_lets_text_through(tokenizers_by_kind):
+    # Before min_tokens the engine must not stop on a stop string; the text simply continues.
+    tok = tokenizers_by_kind["byte_level"]
+    detok = IncrementalDetokenizer(tok, ["dog"])
+    assert detok.update(tok.encode("lazy dog", add_special_tokens=False), check_stop=False) is None
+    assert detok.update(tok.encode(" and a dog", add_special_tokens=False)) == "dog"
+    assert detok.get_delta() + detok.flush() == "lazy dog and a " == detok.output_text

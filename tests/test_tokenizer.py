@@ -94,7 +94,7 @@ def test_byte_level_round_trip_and_byte_splits(bl_backend):
         assert tok.decode(ids) == text
         assert tok.backend.decode(ids) == text
     # The streaming tests rely on characters being split over several tokens: check that here.
-    ids = tok.encode("你好，世界 😀")
+    ids = tok.encode("你好，世界！東京は大きい都市です。 😀 🎉 🚀 👍🏽 🇫🇷 🤖")
     assert any("\ufffd" in tok.decode([i]) for i in ids)
 
 
@@ -370,7 +370,9 @@ def test_named_templates(bl_backend):
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == "plain"
     assert tok.apply_chat_template(msgs, tools=[TOOL]) == "tools:1"
-    assert tok.apply_chat_template(msgs, chat_template="tool_use", tools=[]) == "tools:0"
+    assert tok.apply_chat_template(msgs, tools=[]) == "tools:0"   # like transformers: tools given at all
+    assert tok.apply_chat_template(msgs, chat_template="tool_use", tools=[TOOL]) == "tools:1"
+    assert tok.apply_chat_template(msgs, chat_template="raw {{ messages | length }}") == "raw 1"
 
 
 def test_sandbox_blocks_attribute_escape(bl_backend):

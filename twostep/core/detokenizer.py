@@ -30,13 +30,16 @@ class IncrementalDetokenizer:
         """True once a stop string matched or flush() ran; further ids are ignored."""
         return self.stop_reason is not None or self._flushed
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Feed newly generated ids. Returns the stop string if one now appears in the text (the text
-        is cut before it, or after it with include_stop_str_in_output), else None."""
+        is cut before it, or after it with include_stop_str_in_output), else None.
+
+        check_stop=False appends without looking for stop strings (for tokens generated before
+        min_tokens is reached, where a stop string must not end the sequence)."""
         if self.finished:
             return None
         piece = self._stream.step(new_token_ids)
-        return self._append(piece)
+        return self._append(piece, check_stop)
 
     def get_delta(self) -> str:
         """Text not handed out yet, minus what must still be held back."""
@@ -55,12 +58,12 @@ class IncrementalDetokenizer:
             self._flushed = True
         return self.get_delta()
 
-    def _append(self, piece: str) -> str | None:
+    def _append(self, piece: str, check_stop: bool = True) -> str | None:
         if not piece:
             return None
         old_len = len(self.output_text)
         self.output_text += piece
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         hit = self._find_stop(old_len)
         if hit is None:

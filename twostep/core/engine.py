@@ -228,7 +228,7 @@ class LLMEngine:
         if past_min and token in p.stop_token_ids:
             request.stop_reason = token
             return self._finish(request, "stop")
-        matched = request.detokenizer.update([token])
+        matched = request.detokenizer.update([token], check_stop=past_min)
         if past_min and matched is not None:
             request.stop_reason = matched
             return self._finish(request, "stop")

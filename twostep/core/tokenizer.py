@@ -30,10 +30,8 @@ def _token_text(value: Any) -> str | None:
         return None
     if isinstance(value, str):
         return value
-    if isinstance(value, dict):
-        content = value.get("content")
-        return content if isinstance(content, str) else None
-    return str(value)
+    content = value.get("content") if isinstance(value, dict) else getattr(value, "content", None)
+    return content if isinstance(content, str) else None
 
 
 def _as_id_list(ids: Any) -> list[int]:
@@ -236,7 +234,7 @@ class Tokenizer:
                 "or chat_template.json); pass chat_template= explicitly or send a plain-text prompt")
         if isinstance(self.chat_template, str):
             return self.chat_template
-        if tools and "tool_use" in named:
+        if tools is not None and "tool_use" in named:
             return named["tool_use"]
         if "default" in named:
             return named["default"]
@@ -332,9 +330,15 @@ class TokenStream:
             return ""
         before = self._backend.decode(self._context, skip_special_tokens=self._skip)
         after = self._backend.decode(self._context + self._held, skip_special_tokens=self._skip)
+        if after.startswith(before):
+            tail = after[len(before):]
+        else:
+            # ByteFallback turned the emitted text before into U+FFFD as well (its byte run is
+            # invalid as a whole); what is out stays out, so decode the held ids on their own.
+            tail = self._backend.decode(self._held, skip_special_tokens=self._skip)
         self._context = (self._context + self._held)[-self._CONTEXT:]
         self._held = []
-        return after[len(before):] if after.startswith(before) else after
+        return tail
 
     @property
     def pending(self) -> bool:

@@ -1,0 +1,41 @@
+"""`twostep generate` streams text and ends with the phase summary; bad input exits cleanly."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from twostep.entrypoints.cli import main
+
+
+def test_generate_streams_and_summarises(tiny_model_dir, capsys):
+    folder = tiny_model_dir("llama")
+    rc = main(["generate", "--model", str(folder), "--dtype", "float32", "--kv-cache-memory", "4MiB",
+               "--max-tokens", "6", "--ignore-eos", "Once upon a time"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    summary = captured.err.strip().splitlines()[-1]
+    for part in ("[length]", "generated 6 tok", "TTFT", "TPOT", "KV blocks"):
+        assert part in summary
+    assert captured.out.endswith("\n")
+
+
+def test_generate_chat_and_bad_values(tiny_model_dir, capsys):
+    folder = str(tiny_model_dir("qwen3"))
+    assert main(["generate", "--model", folder, "--chat", "--max-tokens", "3", "hi"]) == 0
+    assert main(["generate", "--model", folder, "--temperature", "-1", "hi"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--model", "/no/such/model.gguf", "hi"]) == 2
+
+
+def test_installed_command_runs(tiny_model_dir):
+    exe = Path(sys.executable).parent / "twostep"
+    if not exe.exists():
+        import pytest
+        pytest.skip("twostep is not installed as a command in this environment")
+    proc = subprocess.run([str(exe), "generate", "--model", str(tiny_model_dir("mistral")),
+                           "--max-tokens", "4", "--ignore-eos", "hello"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    assert "generated 4 tok" in proc.stderr

@@ -1,0 +1,84 @@
+"""Real small models: the packaged SmolLM2-135M-Instruct GGUF and ../shared's stories260K."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import smollm_path, stories_path
+from twostep import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+STORIES_PROMPT = [1, 403, 407, 261, 378]  # "<s> Once upon a time"
+STORIES_EXPECTED = (", there was a little girl named Lily. She loved to play outside in the park. One day, "
+                    "she saw a big, red ball. She wanted to play with it, but it was too high.\nLily")
+# Tolerance for SmolLM2's logits against transformers on the same dequantised weights, in float32
+# (measured: 0.0 max abs difference; logits span about +-38).
+SMOLLM_LOGIT_ATOL = 1e-4
+
+
+def hf_from_gguf(path, **kw):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, **kw)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return LLM(str(smollm_path()), dtype="float32", kv_cache_memory="256MiB")
+
+
+def test_smollm2_says_paris(smollm):
+    out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY,
+                      use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+
+
+def test_smollm2_default_model_is_found():
+    from twostep.models.loader import resolve_model_path
+
+    assert resolve_model_path(None) == str(smollm_path())
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm):
+    path = smollm_path()
+    hf = hf_from_gguf(path)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = smollm.tokenizer.encode_chat(messages)
+    engine = smollm.engine
+    engine.add_request(ids, SamplingParams(max_tokens=1))
+    sched = engine.scheduler.schedule()
+    ours = engine.runner.all_logits(sched, engine.kv)
+    engine.abort_request(list(engine.requests))
+    engine.step()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() < SMOLLM_LOGIT_ATOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    ref_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+    out = smollm.generate([ids], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref_tokens.tolist()[:len(out.outputs[0].token_ids)]
+
+
+def test_stories260k_tells_the_story():
+    llm = LLM(str(stories_path()), dtype="float32", kv_cache_memory="16MiB")
+    assert llm.tokenizer.encode("Once upon a time") == STORIES_PROMPT
+    out = llm.generate([STORIES_PROMPT], SamplingParams(temperature=0, max_tokens=40),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(STORIES_EXPECTED[:60])
+
+
+def test_stories260k_matches_transformers_on_the_same_file():
+    path = stories_path()
+    hf = hf_from_gguf(path, pad_token_id=None)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    ref = hf.generate(torch.tensor([STORIES_PROMPT]), max_new_tokens=48, do_sample=False)[0, 5:].tolist()
+    out = llm.generate([STORIES_PROMPT], SamplingParams(temperature=0, max_tokens=48),
+                       use_tqdm=False)[0].outputs[0]
+    n = len(out.token_ids)
+    assert out.token_ids == ref[:n]
+    assert n == len(ref) or out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(ref[:n])
