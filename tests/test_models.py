@@ -97,3 +97,52 @@ def test_mistral_sliding_window_caps_max_model_len(tmp_path):
     assert engine.max_model_len == 128
     with pytest.raises(ValueError, match="sliding window"):
         engine_for(folder, max_model_len=256)
+
+
+def test_sharded_safetensors_load_identically(tmp_path, tiny_model_dir):
+    import transformers
+
+    folder = tiny_model_dir("qwen3")
+    hf = load_hf(folder)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((folder / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    from twostep import LLM
+
+    prompts = random_prompts([9, 21], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB").generate(prompts, params, use_tqdm=False)
+    b = LLM(str(sharded), dtype="float32", kv_cache_memory="4MiB").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    del transformers
+
+
+def test_hub_id_offline_fails_clearly(monkeypatch):
+    from twostep.models.loader import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not fetch model 'no-such-org/no-such-model'"):
+        resolve_model_path("no-such-org/no-such-model")
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path("/definitely/missing/model.gguf")
+
+
+def test_generation_config_gives_default_sampling(tmp_path):
+    import json
+
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "g", "llama")
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, eos_token_id=[2, 7])
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    engine = engine_for(folder)
+    p = engine.default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.9, 20)
+    assert {2, 7} <= engine.eos_token_ids
+    gen["do_sample"] = False
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    assert engine_for(folder).default_sampling_params().greedy

@@ -53,6 +53,7 @@ class LLMEngine:
         self.tokenizer = _make_tokenizer(ckpt)
         self.max_model_len = _max_model_len(config, ckpt.config)
         self.model = build_model(ckpt, self.dtype, self.device, self.max_model_len)
+        self.generation_config = dict(ckpt.generation_config or {})
         del ckpt
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model_config, self.model_path)
         self.kv_plan = self._plan_kv()
@@ -86,11 +87,21 @@ class LLMEngine:
 
     # ---- public API -------------------------------------------------------------------
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model authors' defaults from generation_config.json (temperature, top_p, top_k,
+        min_p, repetition_penalty; do_sample=false means greedy), else SamplingParams()."""
+        g = self.generation_config
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        found = {k: g[k] for k in keys if g.get(k) is not None}
+        if g.get("do_sample") is False:
+            found["temperature"] = 0.0
+        return SamplingParams(**found)
+
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate, tokenize and queue a request; raises ValueError on bad input, leaving
         the engine and every other request untouched."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
         if request_id in self.requests:

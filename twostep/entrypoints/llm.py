@@ -26,7 +26,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params or self.engine.default_sampling_params(), len(prompts))
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 
@@ -42,7 +42,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                ) -> Iterator[RequestOutput]:
         """Yield this request's outputs as tokens arrive (other queued work keeps running)."""
-        rid = self._add_all([prompt], [sampling_params or SamplingParams()])[0]
+        rid = self._add_all([prompt], [sampling_params or self.engine.default_sampling_params()])[0]
         try:
             while True:
                 for out in self.engine.step():
