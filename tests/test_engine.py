@@ -181,3 +181,36 @@ def test_chat_uses_the_template(llm):
     messages = [{"role": "user", "content": "hello"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert out.prompt_token_ids == llm.tokenizer.encode_chat(messages)
+
+
+def test_n_completions_per_prompt(llm):
+    prompt = random_prompts([7], seed=13)[0]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
+    out = llm.generate([prompt, prompt[:4]], params, use_tqdm=False)
+    assert [len(o.outputs) for o in out] == [3, 3]
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    texts = {tuple(c.token_ids) for c in out[0].outputs}
+    assert len(texts) > 1, "three seeded samples should not all agree"
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out[0].outputs]
+    # streaming: per-completion deltas join to each completion's final text
+    joined = ["", "", ""]
+    final = None
+    for o in llm.stream(prompt, params):
+        for c in o.outputs:
+            joined[c.index] += c.delta_text
+        final = o
+    assert joined == [c.text for c in final.outputs]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_abort_of_a_parent_aborts_every_child(llm):
+    engine = llm.engine
+    rid = engine.add_request(random_prompts([5], seed=14)[0],
+                             SamplingParams(n=2, temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request(rid)
+    outs = [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].finished and {c.finish_reason for c in outs[-1].outputs} == {"abort"}
+    assert not engine.has_unfinished_requests()

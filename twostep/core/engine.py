@@ -13,6 +13,7 @@ import torch
 from twostep.config import EngineConfig, resolve_device, resolve_dtype
 from twostep.core.detokenizer import IncrementalDetokenizer
 from twostep.core.model_runner import ModelRunner, StepResult
+from twostep.core.parallel_sampling import ParentRequest, child_params
 from twostep.core.request import Request
 from twostep.core.sampler import Sampler
 from twostep.core.scheduler import Scheduler
@@ -69,6 +70,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []
+        self._parents: dict[str, ParentRequest] = {}   # n > 1: parent and child ids -> parent
         self._next_id = 0
         logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d",
                     self.model_path, self.model_config.architecture, self.model_config.num_layers,
@@ -104,10 +106,22 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        if params.n == 1:
+            self._add_one(request_id, text, ids, params, arrival_time)
+            return request_id
+        parent = ParentRequest(request_id, params.n)
+        self._parents[request_id] = parent
+        for i, cid in enumerate(parent.child_ids):
+            self._parents[cid] = parent
+            self._add_one(cid, text, ids, child_params(params, i), arrival_time)
+        return request_id
+
+    def _add_one(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                 arrival_time: float | None) -> None:
         params = dataclasses.replace(params)
         params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         request = Request(
@@ -125,16 +139,22 @@ class LLMEngine:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
         self.scheduler.add(request)
-        return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        for rid in request_ids:
+        for rid in self._expand_parents(request_ids):
             request = self.requests.get(rid)
             if request is not None and not request.is_finished:
                 self._finish(request, "abort")
                 self._pending.append(self._make_output(request))
+
+    def _expand_parents(self, request_ids: Iterable[str]) -> list[str]:
+        out = []
+        for rid in request_ids:
+            parent = self._parents.get(rid)
+            out.extend(parent.child_ids if parent is not None and rid == parent.request_id else [rid])
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -269,13 +289,21 @@ class LLMEngine:
         )
         if request.is_finished:
             self.requests.pop(request.request_id, None)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
             outputs=[completion], finished=request.is_finished, metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
         )
+        parent = self._parents.get(request.request_id)
+        if parent is None:
+            return out
+        merged = parent.merge(out)
+        if merged.finished:
+            for rid in (parent.request_id, *parent.child_ids):
+                self._parents.pop(rid, None)
+        return merged
 
 
 def _make_tokenizer(ckpt) -> Tokenizer:
