@@ -141,3 +141,13 @@ def test_max_num_seqs_caps_running(reference):
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 2
     assert [done[i].outputs[0].token_ids for i in ids] == expected
+
+
+def test_garbage_in_unwritten_cache_slots_never_leaks(reference):
+    """The cache is allocated uninitialised; padding reads must not let NaN through."""
+    folder, prompts, expected = reference
+    engine = engine_for(folder, max_num_batched_tokens=64)
+    for cache in engine.runner.kv_caches:
+        cache.fill_(float("nan"))
+    outs = run_all(engine, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected

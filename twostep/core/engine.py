@@ -58,7 +58,9 @@ class LLMEngine:
         del ckpt
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model_config, self.model_path)
         self.kv_plan = self._plan_kv()
-        logger.info(self.kv_plan.describe())
+        logger.info("%s; largest context that fits: %d tokens (max_model_len %d)",
+                    self.kv_plan.describe(), min(self.kv_plan.num_tokens, self.max_model_len),
+                    self.max_model_len)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
         kv_caches = allocate_kv_cache(self.kv_plan, self.model_config.num_layers,
                                       self.model_config.num_kv_heads, self.model_config.head_dim,

@@ -67,8 +67,12 @@ class ReferenceAttention:
         idx = torch.tensor(starts, device=q.device)
         queries = q[idx].unsqueeze(2)                                  # [B, H, 1, D]
         positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
-        o = _sdpa(queries, keys, values, mask, scale)                  # [B, H, 1, D]
+        valid = positions[None, :] < meta.decode_seq_lens[:, None]     # [B, L]
+        # Padding reads slots never written (the cache is allocated uninitialised): zero them,
+        # since a masked score still multiplies its value and NaN * 0 is NaN.
+        keep = valid[:, :, None, None]
+        keys, values = keys.where(keep, 0), values.where(keep, 0)
+        o = _sdpa(queries, keys, values, valid[:, None, None, :], scale)  # [B, H, 1, D]
         out[idx] = o.squeeze(2).to(out.dtype)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
