@@ -49,6 +49,7 @@ def test_smollm2_logits_match_transformers(smollm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = smollm.tokenizer.encode_chat(messages)
     engine = smollm.engine
+    engine.reset_prefix_cache()   # compute every position, not only what an earlier test left
     engine.add_request(ids, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
     ours = engine.runner.all_logits(sched, engine.kv)

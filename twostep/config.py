@@ -20,6 +20,7 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None   # e.g. "2GiB"; default: a fraction of free memory
     kv_cache_memory_fraction: float = 0.25     # of free memory, when kv_cache_memory is unset
     num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
+    enable_prefix_caching: bool = True     # reuse KV blocks of shared prompt prefixes
     attention_backend: str = "reference"
     seed: int = 0                          # for requests without their own seed
     num_threads: int | None = None         # torch intra-op threads on CPU

@@ -61,7 +61,8 @@ class LLMEngine:
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)",
                     self.kv_plan.describe(), min(self.kv_plan.num_tokens, self.max_model_len),
                     self.max_model_len)
-        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
         kv_caches = allocate_kv_cache(self.kv_plan, self.model_config.num_layers,
                                       self.model_config.num_kv_heads, self.model_config.head_dim,
                                       self.dtype, self.device)
@@ -158,6 +159,23 @@ class LLMEngine:
             out.extend(parent.child_ids if parent is not None and rid == parent.request_id else [rid])
         return out
 
+    def get_stats(self) -> dict:
+        """Counters since start, and what follows from them."""
+        st, pc = self.stats, self.kv.prefix_stats
+        return {
+            "num_steps": st.num_steps, "num_prefill_tokens": st.num_prefill_tokens,
+            "num_decode_tokens": st.num_decode_tokens, "num_preemptions": st.num_preemptions,
+            "peak_blocks_used": st.peak_blocks_used, "num_blocks": self.kv.pool.num_blocks,
+            "blocks_in_use": self.kv.pool.num_used_blocks,
+            "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "prefix_cache_blocks": self.kv.pool.num_cached_blocks,
+            "prefix_cache_evictions": self.kv.pool.num_evictions,
+        }
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -233,6 +251,8 @@ class LLMEngine:
         s = result.scheduled
         request = s.request
         request.num_computed_tokens = s.start + s.num_tokens
+        self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
+                                  request.num_computed_tokens)
         if result.prompt_logprobs:
             request.prompt_logprobs.extend(result.prompt_logprobs)
         if result.token_id is None:

@@ -105,14 +105,25 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens_to_compute, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
+            hits, num_hit = self._prefix_hits(request)
+            n = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request.request_id, num_hit, n, hits):
                 break
+            request.num_computed_tokens = num_hit
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.num_cached_tokens = num_hit
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
             budget -= n
+
+    def _prefix_hits(self, request: Request):
+        """Cached leading blocks of a request starting from scratch (new or preempted).
+        Requests that want prompt_logprobs compute every prompt position themselves."""
+        if request.num_computed_tokens or request.wants_prompt_logprobs:
+            return [], request.num_computed_tokens
+        return self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request wherever it is and free its blocks."""

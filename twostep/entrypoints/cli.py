@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help='KV cache size, e.g. "2GiB" (default: '
                    f"{d.kv_cache_memory_fraction:.0%} of free memory, capped at what can be used)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 
@@ -30,6 +33,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
     )
 
@@ -86,7 +90,8 @@ def summary_line(out, engine) -> str:
     decode_tps = (n_gen - 1) / decode_time if decode_time > 0 else float("nan")
     prefill_tps = m.num_prompt_tokens / ttft if ttft > 0 else float("nan")
     blocks = engine.kv.blocks_needed(len(out.prompt_token_ids) + n_gen)
-    return (f"[{out.outputs[0].finish_reason}] prompt {m.num_prompt_tokens} tok | generated {n_gen} tok | "
+    return (f"[{out.outputs[0].finish_reason}] prompt {m.num_prompt_tokens} tok "
+            f"({out.num_cached_tokens} cached) | generated {n_gen} tok | "
             f"TTFT {ttft * 1e3:.1f} ms (prefill {prefill_tps:.0f} tok/s) | "
             f"TPOT {tpot * 1e3 if tpot else float('nan'):.1f} ms (decode {decode_tps:.1f} tok/s) | "
             f"KV blocks {blocks}/{engine.kv_plan.num_blocks} x {engine.kv.block_size}")

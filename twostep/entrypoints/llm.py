@@ -21,6 +21,14 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_stats(self) -> dict:
+        """Engine counters: tokens prefilled and decoded, preemptions, prefix-cache queries,
+        hits and hit rate, KV blocks."""
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -1,19 +1,43 @@
-"""Per-request block tables on top of the block pool.
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
 
 The scheduler asks for room for `num_new_tokens` more tokens of a request (a prefill
 chunk, one decode token, or k+1 tokens of a speculative verification step); the manager
 grows the request's block table to cover them, or says no without side effects.
+
+Prefix caching: before a request's first chunk, get_computed_blocks() walks its full
+blocks through the cache by chained key and returns the leading hits (never all of the
+tokens: the last one is always computed, so its logits exist). After every step,
+cache_full_blocks() registers the blocks that became full and computed, prompt and
+generated tokens alike, so the next turn of a chat hits them too.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from twostep.kv.block_hash import BlockKey, chain_keys
 from twostep.kv.block_pool import BlockPool, KVBlock
 
 
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0     # tokens looked up
+    hits: int = 0        # tokens served from cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.prefix_stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._keys: dict[str, list[BlockKey]] = {}
+        self._num_registered: dict[str, int] = {}   # leading blocks already offered to the cache
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -21,20 +45,73 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= self.pool.num_blocks
 
-    def allocate_slots(self, request_id: str, num_computed_tokens: int,
-                       num_new_tokens: int) -> bool:
-        """Make the request's table cover num_computed_tokens + num_new_tokens positions."""
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            extra: Hashable = None) -> tuple[list[KVBlock], int]:
+        """Leading cached blocks of these tokens and how many tokens they cover. Takes no
+        reference: pass them to allocate_slots, which does."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        keys = chain_keys(token_ids, self.block_size, self._keys.get(request_id, []), extra)
+        self._keys[request_id] = keys
+        # Cap at len - 1 tokens: the last token must run through the model for its logits.
+        usable = (len(token_ids) - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for key in keys[:usable]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit = len(hits) * self.block_size
+        self.prefix_stats.queries += len(token_ids)
+        self.prefix_stats.hits += num_hit
+        return hits, num_hit
+
+    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Make the request's table cover num_computed_tokens + num_new_tokens positions,
+        starting from computed_blocks (prefix-cache hits) for a request with no table yet."""
         blocks = self._blocks.setdefault(request_id, [])
-        extra = self.blocks_needed(num_computed_tokens + num_new_tokens) - len(blocks)
-        if extra <= 0:
-            return True
-        if extra > self.pool.num_free_blocks:
+        if computed_blocks:
+            assert not blocks, "prefix hits are only taken before a request's first chunk"
+        have = len(blocks) + len(computed_blocks)
+        extra = self.blocks_needed(num_computed_tokens + num_new_tokens) - have
+        # Evictable hits sit in the free queue: reviving them makes them unavailable.
+        revived = sum(b.ref_cnt == 0 for b in computed_blocks)
+        if extra > self.pool.num_free_blocks - revived:
+            if not blocks:
+                del self._blocks[request_id]
             return False
-        blocks.extend(self.pool.allocate(extra))
+        self.pool.touch(list(computed_blocks))
+        blocks.extend(computed_blocks)
+        if extra > 0:
+            blocks.extend(self.pool.allocate(extra))
+        self._num_registered.setdefault(request_id, 0)
         return True
 
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          extra: Hashable = None) -> None:
+        """Offer every block that is now full and computed to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request_id)
+        if not blocks:
+            return
+        full = min(num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_registered.get(request_id, 0)
+        if full <= start:
+            return
+        keys = chain_keys(token_ids[:full * self.block_size], self.block_size,
+                          self._keys.get(request_id, [])[:full], extra)
+        self._keys[request_id] = keys
+        for i in range(start, full):
+            self.pool.cache(blocks[i], keys[i])
+        self._num_registered[request_id] = full
+
     def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first: a suffix is evicted before its prefix."""
         blocks = self._blocks.pop(request_id, [])
+        self._num_registered.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self.pool.free(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -50,6 +127,9 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
