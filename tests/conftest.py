@@ -30,6 +30,8 @@ ARCH_CONFIGS = {
     # q/k RMSNorm, explicit head_dim, linear rope scaling
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32,
                                   rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # attention_bias: Llama then has biases on q, k, v and o
+    "llama-bias": ("LlamaConfig", dict(num_key_value_heads=4, attention_bias=True)),
 }
 
 CORPUS = [
@@ -67,6 +69,10 @@ def make_tiny_model(folder: Path, arch: str, **overrides) -> Path:
     config = getattr(transformers, config_cls)(**{**_BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases, which would hide a dropped bias
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     save_tokenizer(folder)

@@ -39,3 +39,13 @@ def test_installed_command_runs(tiny_model_dir):
                           capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 0, proc.stderr
     assert "generated 4 tok" in proc.stderr
+
+
+def test_folder_without_tokenizer_is_a_clear_error(tmp_path, tiny_model_dir, capsys):
+    import shutil
+
+    folder = tmp_path / "notok"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(folder), "hi"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err

@@ -29,6 +29,12 @@ def finish_all(engine, ids):
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(min_p=1.5), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=1.5), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=float("nan")), "top_p"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(seed=1.5), "seed"),
+    (dict(seed="7"), "seed"), (dict(seed=-1), "seed"), (dict(n=2, temperature=1.0, seed=2**64 - 1), "seed"),
+    (dict(max_tokens=2.0), "max_tokens"), (dict(top_k=True), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(n=0), "n"),
 ])
 def test_invalid_sampling_values_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -92,11 +98,35 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_eos_stops_unless_ignored(llm):
-    engine = llm.engine
-    eos = next(iter(engine.eos_token_ids))
+def test_eos_stops_unless_ignored(tmp_path):
+    import json
+
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "eos", "qwen2")
     prompt = random_prompts([6], seed=8)[0]
-    # Find what greedy would say first, then declare that token a stop token.
+    greedy = engine_for(folder)
+    first = finish_all(greedy, [greedy.add_request(prompt, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True))])[0].outputs[0].token_ids
+    eos = first[2]   # declare greedy's third token the model's EOS
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen["eos_token_id"] = eos
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    engine = engine_for(folder)
+    assert eos in engine.eos_token_ids
+    run = lambda **kw: finish_all(engine, [engine.add_request(prompt, SamplingParams(  # noqa: E731
+        temperature=0, max_tokens=6, **kw))])[0].outputs[0]
+    out = run()
+    assert out.finish_reason == "stop" and out.token_ids == first[:3]
+    assert out.text == engine.tokenizer.decode(first[:2])   # EOS itself is not in the text
+    out = run(ignore_eos=True)
+    assert out.finish_reason == "length" and out.token_ids == first
+    out = run(min_tokens=4)
+    assert eos not in out.token_ids[:4] and len(out.token_ids) >= 4
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = random_prompts([6], seed=8)[0]
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
     tok = first.outputs[0].token_ids[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tok]),
@@ -104,8 +134,7 @@ def test_eos_stops_unless_ignored(llm):
     assert out.finish_reason == "stop" and out.stop_reason == tok and out.token_ids == [tok]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tok],
                                                 min_tokens=3), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 3 and tok not in out.token_ids[:2]
-    assert eos in engine.eos_token_ids
+    assert len(out.token_ids) >= 3 and tok not in out.token_ids[:3]
 
 
 def test_stop_string_is_cut_and_streamed_deltas_join(llm):
@@ -214,3 +243,36 @@ def test_abort_of_a_parent_aborts_every_child(llm):
     outs = [o for o in engine.step() if o.request_id == rid]
     assert outs[-1].finished and {c.finish_reason for c in outs[-1].outputs} == {"abort"}
     assert not engine.has_unfinished_requests()
+
+
+def test_interleaved_streams_each_finish(llm):
+    p1, p2 = random_prompts([6, 9], seed=15)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    s1, s2 = llm.stream(p1, params), llm.stream(p2, params)
+    first = next(s2)
+    rest1 = list(s1)            # runs s1 to its end while s2 is paused
+    rest2 = list(s2)
+    assert rest1[-1].finished and rest2[-1].finished
+    assert "".join(o.outputs[0].delta_text for o in [first] + rest2) == rest2[-1].outputs[0].text
+    assert len(rest2[-1].outputs[0].token_ids) == 8
+
+
+def test_abort_output_is_delivered_by_the_next_step(llm):
+    engine = llm.engine
+    rid = engine.add_request(random_prompts([5], seed=16)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort_request(rid)
+    assert engine.has_unfinished_requests(), "the abort's output is still to be returned"
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_ids_of_n_children_cannot_collide(llm):
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3), request_id="x#0")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6, 7], SamplingParams(n=2, temperature=1.0, max_tokens=3), request_id="x")
+    assert "x" not in engine._parents and "x#1" not in engine.requests
+    engine.add_request([5, 6], SamplingParams(max_tokens=3), request_id="req-99")
+    finish_all(engine, ["x#0", "req-99"])

@@ -325,3 +325,24 @@ def test_unsupported_tensor_type(tmp_path):
                      raw={down: (hf[down] * 10).astype(np.int8)})
     with pytest.raises(ValueError, match="I8.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
         load_gguf(path)
+
+
+def test_rope_freq_factors_are_applied(tmp_path):
+    """Llama 3.x GGUFs keep their RoPE scaling as rope_freqs.weight; llama.cpp divides each
+    inverse frequency by its factor, and so must we (not ignore it)."""
+    from twostep import LLM
+    from twostep.layers.rotary import RotaryEmbedding
+    from twostep.models.config import RopeScaling
+
+    hf = _tiny_hf_tensors(TINY, np.random.default_rng(5))
+    head_dim = TINY["dim"] // TINY["heads"]
+    factors = np.full(head_dim // 2, 8.0, dtype=np.float32)
+    add_freqs = lambda w: w.add_tensor("rope_freqs.weight", factors, raw_dtype=QType.F32)  # noqa: E731
+    _write_tiny_gguf(tmp_path / "plain.gguf", hf, lambda name: QType.F32)
+    _write_tiny_gguf(tmp_path / "scaled.gguf", hf, lambda name: QType.F32, tokenizer_extra=[add_freqs])
+    assert load_gguf(tmp_path / "scaled.gguf").hf_config["rope_freq_factors"] == [8.0] * (head_dim // 2)
+    plain = LLM(str(tmp_path / "plain.gguf"), dtype="float32", kv_cache_memory="1MiB")
+    scaled = LLM(str(tmp_path / "scaled.gguf"), dtype="float32", kv_cache_memory="1MiB")
+    linear8 = RotaryEmbedding(head_dim, 500000.0, RopeScaling("linear", 8.0), 256, torch.device("cpu"))
+    assert torch.allclose(scaled.engine.model.rotary.cos, linear8.cos)
+    assert not torch.allclose(plain.engine.model.rotary.cos, linear8.cos)

@@ -146,3 +146,38 @@ def test_generation_config_gives_default_sampling(tmp_path):
     gen["do_sample"] = False
     (folder / "generation_config.json").write_text(json.dumps(gen))
     assert engine_for(folder).default_sampling_params().greedy
+
+
+@pytest.mark.parametrize("arch,attention_bias,qkv,o", [
+    ("LlamaForCausalLM", True, True, True), ("Qwen3ForCausalLM", True, True, True),
+    ("Qwen2ForCausalLM", False, True, False), ("MistralForCausalLM", True, False, False),
+    ("LlamaForCausalLM", False, False, False),
+])
+def test_attention_bias_switches(arch, attention_bias, qkv, o):
+    from twostep.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 10, "hidden_size": 8,
+                               "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                               "attention_bias": attention_bias})
+    assert (cfg.qkv_bias, cfg.o_bias) == (qkv, o)
+
+
+def test_missing_config_field_and_unused_tensors_are_refused(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from twostep.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+                             "intermediate_size": 8, "num_hidden_layers": 1})
+    folder = tmp_path / "extra"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="o_proj.bias"):
+        engine_for(folder)
+    del json

@@ -151,3 +151,17 @@ def test_garbage_in_unwritten_cache_slots_never_leaks(reference):
         cache.fill_(float("nan"))
     outs = run_all(engine, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "llama-bias"])
+def test_every_architecture_is_invariant_to_chunks_blocks_and_preemption(tiny_model_dir, arch):
+    from test_models import hf_greedy
+
+    folder = tiny_model_dir(arch)
+    hf = load_hf(folder)
+    prompts = random_prompts()
+    expected = [hf_greedy(hf, p, 32) for p in prompts]
+    for kw in (dict(max_num_batched_tokens=7), dict(block_size=1, max_num_batched_tokens=64),
+               dict(num_kv_blocks=10, max_num_batched_tokens=48)):
+        engine = engine_for(folder, **kw)
+        assert [o.outputs[0].token_ids for o in run_all(engine, prompts)] == expected, kw

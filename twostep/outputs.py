@@ -28,6 +28,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_kv_blocks: int = 0          # most KV blocks the request held at once
 
     @property
     def ttft(self) -> float | None:

@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters (vLLM-shaped), validated on creation."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,13 +47,25 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise bad(name, "must be an integer or null")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
@@ -62,19 +75,22 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
+        # seed + index seeds the n children; torch takes seeds in [0, 2**64).
+        if self.seed is not None and not 0 <= self.seed <= 2**64 - self.n:
+            raise bad("seed", f"must be in [0, 2**64 - n]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.n > 1 and self.temperature == 0:
             raise bad("n", "must be 1 with greedy sampling (temperature 0)")
@@ -82,3 +98,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

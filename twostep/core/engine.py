@@ -109,28 +109,36 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
-        if request_id in self.requests or request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        arrival = arrival_time or time.monotonic()
         if params.n == 1:
-            self._add_one(request_id, text, ids, params, arrival_time)
+            self._check_id_free(request_id)
+            self._register(self._make_request(request_id, text, ids, params, arrival))
             return request_id
+        # n > 1: build every child first, so a failure adds nothing.
         parent = ParentRequest(request_id, params.n)
+        for rid in (request_id, *parent.child_ids):
+            self._check_id_free(rid)
+        children = [self._make_request(cid, text, ids, child_params(params, i), arrival)
+                    for i, cid in enumerate(parent.child_ids)]
         self._parents[request_id] = parent
-        for i, cid in enumerate(parent.child_ids):
-            self._parents[cid] = parent
-            self._add_one(cid, text, ids, child_params(params, i), arrival_time)
+        for child in children:
+            self._parents[child.request_id] = parent
+            self._register(child)
         return request_id
 
-    def _add_one(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                 arrival_time: float | None) -> None:
+    def _check_id_free(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def _make_request(self, request_id: str, text: str | None, ids: list[int],
+                      params: SamplingParams, arrival_time: float) -> Request:
         params = dataclasses.replace(params)
         params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic(),
-                                   num_prompt_tokens=len(ids)),
+            metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids)),
             generator=self._generator(params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
                                                params.include_stop_str_in_output,
@@ -140,17 +148,24 @@ class LLMEngine:
         request.max_total_tokens = min(limit, self.max_model_len)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        self.requests[request_id] = request
+        return request
+
+    def _register(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True) -> None:
+        """Stop requests wherever they are and free their blocks. Their final output
+        (finish_reason "abort") comes from the next step(), unless emit_output is False."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in self._expand_parents(request_ids):
             request = self.requests.get(rid)
             if request is not None and not request.is_finished:
                 self._finish(request, "abort")
-                self._pending.append(self._make_output(request))
+                out = self._make_output(request)
+                if emit_output:
+                    self._pending.append(out)
 
     def _expand_parents(self, request_ids: Iterable[str]) -> list[str]:
         out = []
@@ -177,7 +192,8 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while any request runs, waits, or has an output (an abort's) not yet returned."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
         """One scheduling decision, one forward pass, one token for each request that
@@ -207,8 +223,11 @@ class LLMEngine:
     # ---- internals --------------------------------------------------------------------
 
     def _new_id(self) -> str:
-        self._next_id += 1
-        return f"req-{self._next_id}"
+        while True:
+            self._next_id += 1
+            rid = f"req-{self._next_id}"
+            if rid not in self.requests and rid not in self._parents:
+                return rid
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -253,6 +272,8 @@ class LLMEngine:
         request.num_computed_tokens = s.start + s.num_tokens
         self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                   request.num_computed_tokens)
+        request.metrics.num_kv_blocks = max(request.metrics.num_kv_blocks,
+                                            self.kv.num_blocks_of(request.request_id))
         if result.prompt_logprobs:
             request.prompt_logprobs.extend(result.prompt_logprobs)
         if result.token_id is None:

@@ -89,12 +89,12 @@ def summary_line(out, engine) -> str:
     decode_time = (m.last_token_time - m.first_token_time) if n_gen > 1 else 0.0
     decode_tps = (n_gen - 1) / decode_time if decode_time > 0 else float("nan")
     prefill_tps = m.num_prompt_tokens / ttft if ttft > 0 else float("nan")
-    blocks = engine.kv.blocks_needed(len(out.prompt_token_ids) + n_gen)
+    stats = engine.get_stats()
     return (f"[{out.outputs[0].finish_reason}] prompt {m.num_prompt_tokens} tok "
             f"({out.num_cached_tokens} cached) | generated {n_gen} tok | "
             f"TTFT {ttft * 1e3:.1f} ms (prefill {prefill_tps:.0f} tok/s) | "
             f"TPOT {tpot * 1e3 if tpot else float('nan'):.1f} ms (decode {decode_tps:.1f} tok/s) | "
-            f"KV blocks {blocks}/{engine.kv_plan.num_blocks} x {engine.kv.block_size}")
+            f"KV blocks {m.num_kv_blocks}/{stats['num_blocks']} x {engine.config.block_size}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1

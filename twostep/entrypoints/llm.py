@@ -1,6 +1,7 @@
 """The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, params)."""
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
@@ -17,6 +18,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+        self._queues: dict[str, deque[RequestOutput]] = {}
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -49,17 +51,21 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                ) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as tokens arrive (other queued work keeps running)."""
+        """Yield this request's outputs as tokens arrive. Several streams (and generate calls)
+        can be interleaved: every output goes to the queue of the request it belongs to."""
         rid = self._add_all([prompt], [sampling_params or self.engine.default_sampling_params()])[0]
+        queue = self._queues[rid]
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                while not queue:
+                    self._pump()
+                out = queue.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:
-            self.engine.abort_request(rid)
+            self._queues.pop(rid, None)
+            self.engine.abort_request(rid)   # no-op once finished; frees blocks if abandoned
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         ids: list[str] = []
@@ -67,22 +73,38 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(_unwrap(prompt), p))
         except Exception:
-            self.engine.abort_request(ids)  # all or nothing: a bad prompt adds no work
+            self.engine.abort_request(ids, emit_output=False)  # all or nothing: a bad prompt adds no work
             raise
+        for rid in ids:
+            self._queues[rid] = deque()
         return ids
 
+    def _pump(self) -> None:
+        """One engine step; outputs are routed to the queues of the requests they belong to."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine has no work left but a request never finished")
+        for out in self.engine.step():
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finished[out.request_id] = out
-                        bar.update(1)
+                self._pump()
+                for rid in ids:
+                    queue = self._queues[rid]
+                    while queue:
+                        out = queue.popleft()
+                        if out.finished:
+                            finished[rid] = out
+                            bar.update(1)
         finally:
             bar.close()
+            for rid in ids:
+                self._queues.pop(rid, None)
             self.engine.abort_request([i for i in ids if i not in finished])
         return [finished[i] for i in ids]
 

@@ -35,8 +35,12 @@ class RotaryEmbedding:
     """cos/sin for every position up to max_positions, looked up by each token's position."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
-                 max_positions: int, device: torch.device) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+                 max_positions: int, device: torch.device,
+                 freq_factors: tuple[float, ...] | None = None) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        if freq_factors is not None:  # GGUF llama3 files store their scaling as these factors
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq.to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -38,9 +38,11 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False        # Qwen2: bias on q/k/v projections
+    qkv_bias: bool = False              # Qwen2 always; Llama/Qwen3 with attention_bias
+    o_bias: bool = False                # Llama/Qwen3 with attention_bias
     qk_norm: bool = False               # Qwen3: RMSNorm on q and k per head
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None   # GGUF llama3: inv_freq / factor
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mistral's window: attention is exactly full causal while the context stays within it,
@@ -49,6 +51,13 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+        try:
+            return ModelConfig._from_hf(cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    @staticmethod
+    def _from_hf(cfg: dict[str, Any]) -> "ModelConfig":
         arch = _architecture(cfg)
         _refuse_unsupported_features(cfg, arch)
         heads = cfg["num_attention_heads"]
@@ -68,9 +77,11 @@ class ModelConfig:
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or _attention_bias(cfg, arch),
+            o_bias=_attention_bias(cfg, arch),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=_rope_scaling(cfg),
+            rope_freq_factors=tuple(cfg["rope_freq_factors"]) if cfg.get("rope_freq_factors") else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
@@ -79,6 +90,14 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _attention_bias(cfg: dict[str, Any], arch: str) -> bool:
+    # Llama and Qwen3 put a bias on q, k, v and o when attention_bias is set; Qwen2 has a
+    # fixed q/k/v bias and none on o; Mistral has no such option.
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        return bool(cfg.get("attention_bias", False))
+    return False
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

@@ -20,11 +20,11 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        bias = cfg.attention_bias
+        bias = cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -89,7 +89,8 @@ class DecoderForCausalLM(nn.Module):
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         c = self.config
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device,
+                                      c.rope_freq_factors)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

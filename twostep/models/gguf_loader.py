@@ -15,8 +15,9 @@ Choices worth knowing:
   `add_bos_token` is true must first check the post-processor did not already do it.
 * Special-token ids outside the vocabulary (stories260K.gguf declares padding id 0xFFFFFFFF, llama.cpp's
   "none") are treated as absent.
-* Llama 3.x files carry their rope scaling as a `rope_freqs.weight` tensor of per-frequency factors,
-  which has no HF config equivalent here; it is skipped with a warning.
+* Llama 3.x files carry their rope scaling as a `rope_freqs.weight` tensor of per-frequency factors
+  (llama.cpp divides each inverse frequency by its factor); it is returned in hf_config as
+  `rope_freq_factors`, which the decoder applies the same way.
 """
 from __future__ import annotations
 
@@ -256,8 +257,7 @@ def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
-            logger.warning("%s: ignoring %s (llama3-style RoPE frequency factors); long-context "
-                           "outputs may differ from llama.cpp", path, tensor.name)
+            config["rope_freq_factors"] = [float(x) for x in _dequantize(tensor).flatten()]
             continue
         name = _hf_name(tensor.name, path)
         weight = _dequantize(tensor)

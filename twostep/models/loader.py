@@ -76,6 +76,8 @@ def load_checkpoint(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
         raise ValueError(f"{path!r} is neither a .gguf file nor a folder with config.json")
     hf_config = json.loads((folder / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
+    if not (folder / "tokenizer.json").is_file():  # before the weights: fail fast
+        raise ValueError(f"{path!r} has no tokenizer.json (twostep reads fast tokenizers only)")
     generation_config = _read_json(folder / "generation_config.json")
     return LoadedCheckpoint(config, _read_safetensors(folder, dtype), str(folder),
                             generation_config, path)
@@ -110,16 +112,26 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
     return tensors
 
 
+def _harmless(name: str, config: ModelConfig) -> bool:
+    """Tensors checkpoints carry that change nothing: cached RoPE frequencies (recomputed
+    from the config) and the head of a tied model (a copy of the embedding)."""
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and config.tie_word_embeddings)
+
+
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> DecoderForCausalLM:
     """Build on the meta device (no random init), then adopt the checkpoint tensors."""
     with torch.device("meta"):
         model = DecoderForCausalLM(ckpt.config)
     expected = set(model.state_dict().keys())
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items() if k in expected}
     if ckpt.config.tie_word_embeddings:
         expected.discard("lm_head.weight")
-        tensors.pop("lm_head.weight", None)
+    unused = sorted(k for k in ckpt.tensors if k not in expected and not _harmless(k, ckpt.config))
+    if unused:
+        raise ValueError(f"checkpoint {ckpt.path!r} has tensors this model would not use (an "
+                         f"unsupported feature?): {unused[:5]}{' ...' if len(unused) > 5 else ''}")
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items() if k in expected}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"checkpoint {ckpt.path!r} lacks tensors: {missing[:5]}"
