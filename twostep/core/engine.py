@@ -154,15 +154,18 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True,
+                      finish_reason: str = "abort", stop_reason: str | None = None) -> None:
         """Stop requests wherever they are and free their blocks. Their final output
-        (finish_reason "abort") comes from the next step(), unless emit_output is False."""
+        (finish_reason "abort" unless told otherwise, e.g. "length" with stop_reason
+        "timeout" for a deadline) comes from the next step(), unless emit_output is False."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in self._expand_parents(request_ids):
             request = self.requests.get(rid)
             if request is not None and not request.is_finished:
-                self._finish(request, "abort")
+                request.stop_reason = stop_reason
+                self._finish(request, finish_reason)
                 out = self._make_output(request)
                 if emit_output:
                     self._pending.append(out)
@@ -190,6 +193,19 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests (cached-but-evictable blocks count as free)."""
+        return self.kv.usage
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, or has an output (an abort's) not yet returned."""

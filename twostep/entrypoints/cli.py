@@ -55,6 +55,29 @@ def _generate_parser(sub) -> None:
     add_engine_args(p)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: --model as given, or the default model's name)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 when this many requests are already waiting")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
+    add_engine_args(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from twostep.core.engine import LLMEngine
+    from twostep.entrypoints.openai.server import run_server
+
+    engine = LLMEngine(engine_config_from(args))
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    return run_server(engine, name, args.host, args.port, args.max_queued_requests,
+                      args.request_timeout, log_level=args.log_level)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from twostep.core.engine import LLMEngine
 
@@ -102,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("twostep").setLevel(args.log_level.upper())
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

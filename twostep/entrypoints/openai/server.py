@@ -1,0 +1,465 @@
+"""`twostep serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the AsyncEngine.
+
+Every HTTP request becomes one engine request per prompt (n samples fan out inside the
+engine); their outputs share one asyncio queue. Streaming responses are server-sent events
+ending with `data: [DONE]`; a client that goes away aborts its requests at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from twostep.core.engine import LLMEngine
+from twostep.entrypoints.async_engine import AsyncEngine, QueueFullError
+from twostep.entrypoints.openai import serving
+from twostep.entrypoints.openai.metrics import ServerMetrics
+from twostep.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 DetokenizeRequest, TokenizeRequest)
+from twostep.entrypoints.openai.serving import Choice
+from twostep.outputs import RequestOutput
+from twostep.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+
+def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int | None = None,
+              request_timeout: float | None = None) -> FastAPI:
+    metrics = ServerMetrics(model_name)
+
+    def on_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                metrics.observe_finished(out)
+        metrics.update_engine(engine.num_running, engine.num_waiting, engine.kv_cache_usage,
+                              engine.get_stats())
+
+    state = ServerState(AsyncEngine(llm_engine, max_queued_requests, request_timeout, on_step),
+                        model_name, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        await state.engine.shutdown()
+
+    app = FastAPI(title="twostep", lifespan=lifespan)
+    app.state.twostep = state
+    _install_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        return error_response(400, f"{where + ': ' if where else ''}{err.get('msg')}", where or None)
+
+    @app.exception_handler(APIError)
+    async def _api(_request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        if not state.engine.healthy:
+            return error_response(503, "the engine loop is not running")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        e = state.engine.engine
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": serving.now(), "owned_by": "twostep",
+            "root": e.model_path, "max_model_len": e.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(state, body.model)
+        tok = state.tokenizer
+        if body.messages is not None:
+            ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                  body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give either prompt or messages", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model)
+        vocab = state.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await _completions(state, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        return await _chat(state, body, raw)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{state.model_name!r}", "model")
+
+
+# ---- running a batch of engine requests for one HTTP request ---------------------------------
+
+class _Batch:
+    """The engine requests of one HTTP request, sharing one output queue."""
+
+    def __init__(self, state: ServerState, prefix: str) -> None:
+        self.state = state
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self.finished: set[str] = set()
+        self.prompt_logprobs: list = []    # per prompt, filled by _collect (echo)
+
+    async def add(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"{self.id}-{i}"
+                await self.state.engine.add(prompt, params, rid, self.sink)
+                self.request_ids.append(rid)
+        except QueueFullError as e:
+            self.abort()
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            self.abort()
+            raise APIError(400, str(e)) from None
+
+    def abort(self) -> None:
+        for rid in self.request_ids:
+            if rid not in self.finished:
+                self.state.engine.abort(rid)
+
+    async def outputs(self, raw: Request | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) until every request finished. Polls for a disconnected
+        client when `raw` is given (non-streaming responses)."""
+        try:
+            while len(self.finished) < len(self.request_ids):
+                if raw is None:
+                    out = await self.sink.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(self.sink.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await raw.is_disconnected():
+                            return
+                        continue
+                if isinstance(out, BaseException):
+                    raise APIError(500, f"engine failure: {out}")
+                if out.finished:
+                    self.finished.add(out.request_id)
+                yield self.request_ids.index(out.request_id), out
+        finally:
+            self.abort()  # no-op for finished requests; frees blocks of a client that left
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+
+async def _completions(state: ServerState, body: CompletionRequest, raw: Request):
+    _check_model(state, body.model)
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
+    prompts = body.prompts()
+    if not prompts:
+        raise APIError(400, "prompt is empty", "prompt")
+    if body.max_tokens is not None and body.max_tokens < 0:
+        raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 is only allowed with echo", "max_tokens")
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # echo-only: drop the token later
+    prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+    params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
+    batch = _Batch(state, "cmpl")
+    await batch.add(prompts, params)
+    if body.stream:
+        return _sse(_completion_stream(state, body, batch))
+    choices, cached, prompt_ids = await _collect(batch, body.n, raw)
+    if body.max_tokens == 0:
+        for c in choices:
+            c.text, c.token_ids, c.logprobs, c.finish_reason = "", [], [] if c.logprobs else None, "length"
+    tok = state.tokenizer
+    data = []
+    for c in choices:
+        text, lp = c.text, None
+        if body.echo:
+            prompt = prompts[c.index // body.n]
+            prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
+            text = prompt_text + text
+        if body.logprobs is not None:
+            ids, entries = c.token_ids, list(c.logprobs or [])
+            if body.echo:
+                prompt_lps = batch.prompt_logprobs[c.index // body.n] or [None] * len(c.prompt_token_ids)
+                ids = c.prompt_token_ids + ids
+                entries = list(prompt_lps) + entries
+            lp = serving.completion_logprobs(tok, ids, entries, 0)
+        data.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason})
+    return {"id": batch.id, "object": "text_completion", "created": serving.now(),
+            "model": state.model_name, "choices": data,
+            "usage": serving.usage(choices, prompt_ids, cached)}
+
+
+async def _collect(batch: _Batch, n: int, raw: Request):
+    choices: list[Choice | None] = [None] * (len(batch.request_ids) * n)
+    cached = [0] * len(batch.request_ids)
+    prompt_ids: list[list[int]] = [[] for _ in batch.request_ids]
+    batch.prompt_logprobs = [None] * len(batch.request_ids)
+    async for i, out in batch.outputs(raw):
+        if not out.finished:
+            continue
+        cached[i], prompt_ids[i] = out.num_cached_tokens, out.prompt_token_ids
+        batch.prompt_logprobs[i] = out.prompt_logprobs
+        for c in out.outputs:
+            choices[i * n + c.index] = Choice(
+                index=i * n + c.index, prompt_token_ids=out.prompt_token_ids, text=c.text,
+                token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason)
+    if any(c is None for c in choices):
+        raise APIError(499, "client disconnected")
+    return choices, cached, prompt_ids
+
+
+async def _completion_stream(state: ServerState, body: CompletionRequest, batch: _Batch):
+    tok, n = state.tokenizer, body.n
+    head = {"id": batch.id, "object": "text_completion", "created": serving.now(),
+            "model": state.model_name}
+    started: set[int] = set()
+    done: set[int] = set()
+    sent_tokens: dict[int, int] = {}
+    choices: dict[int, Choice] = {}
+    prompts = body.prompts()
+    cached = [0] * len(prompts)
+    prompt_ids: list[list[int]] = [[] for _ in prompts]
+    async for i, out in batch.outputs():
+        cached[i], prompt_ids[i] = out.num_cached_tokens, out.prompt_token_ids
+        for c in out.outputs:
+            index = i * n + c.index
+            if index in done:
+                continue
+            text, lp = c.delta_text, None
+            entries_ids: list[int] = []
+            entries: list = []
+            if body.max_tokens == 0:
+                text, c = "", _as_echo_only(c)
+            if body.echo and index not in started:
+                prompt = prompts[i]
+                text = (prompt if isinstance(prompt, str) else tok.decode(prompt)) + text
+                if body.logprobs is not None:
+                    entries_ids, entries = list(out.prompt_token_ids), list(out.prompt_logprobs or
+                                                                           [None] * len(out.prompt_token_ids))
+            started.add(index)
+            new = c.token_ids[sent_tokens.get(index, 0):]
+            sent_tokens[index] = len(c.token_ids)
+            if body.logprobs is not None:
+                entries_ids += new
+                entries += (c.logprobs or [])[len(c.logprobs or []) - len(new):] if new else []
+                lp = serving.completion_logprobs(tok, entries_ids, entries, 0)
+            if not text and not new and not c.finish_reason:
+                continue
+            choices[index] = Choice(index=index, prompt_token_ids=out.prompt_token_ids,
+                                    token_ids=c.token_ids)
+            if c.finish_reason:
+                done.add(index)
+            yield {**head, "choices": [{"index": index, "text": text, "logprobs": lp,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": serving.usage(list(choices.values()), prompt_ids, cached)}
+
+
+def _as_echo_only(c):
+    import dataclasses
+
+    return dataclasses.replace(c, token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                               delta_text="", delta_token_ids=[],
+                               finish_reason="length" if c.finish_reason else None)
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
+    _check_model(state, body.model)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    try:
+        ids = state.tokenizer.encode_chat(body.messages_as_dicts(), body.add_generation_prompt,
+                                          **(body.chat_template_kwargs or {}))
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # a template that raises on these messages (raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    params = _params(state, body, max_tokens, top if body.logprobs else None, None)
+    batch = _Batch(state, "chatcmpl")
+    await batch.add([ids], params)
+    if body.stream:
+        return _sse(_chat_stream(state, body, batch, top))
+    choices, cached, prompt_ids = await _collect(batch, body.n, raw)
+    tok = state.tokenizer
+    data = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+    return {"id": batch.id, "object": "chat.completion", "created": serving.now(),
+            "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
+
+
+async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _Batch, top: int):
+    tok = state.tokenizer
+    head = {"id": batch.id, "object": "chat.completion.chunk", "created": serving.now(),
+            "model": state.model_name}
+    for j in range(body.n):
+        yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    done: set[int] = set()
+    sent: dict[int, int] = {}
+    last: dict[int, Choice] = {}
+    cached, prompt_ids = [0], [[]]
+    async for _, out in batch.outputs():
+        cached[0], prompt_ids[0] = out.num_cached_tokens, out.prompt_token_ids
+        for c in out.outputs:
+            if c.index in done:
+                continue
+            new = c.token_ids[sent.get(c.index, 0):]
+            sent[c.index] = len(c.token_ids)
+            last[c.index] = Choice(index=c.index, prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+            if not c.delta_text and not new and not c.finish_reason:
+                continue
+            lp = None
+            if body.logprobs and new:
+                lp = serving.chat_logprobs(tok, new, c.logprobs[len(c.logprobs) - len(new):], top)
+            if c.finish_reason:
+                done.add(c.index)
+            delta = {"content": c.delta_text} if c.delta_text or not c.finish_reason else {}
+            yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": serving.usage(list(last.values()), prompt_ids, cached)}
+
+
+# ---- shared ----------------------------------------------------------------------------------
+
+def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
+    try:
+        return body.sampling_params(state.engine.engine.default_sampling_params(), max_tokens,
+                                    logprobs, prompt_logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+# ---- running the server ----------------------------------------------------------------------
+
+def run_server(llm_engine: LLMEngine, model_name: str, host: str, port: int,
+               max_queued_requests: int | None, request_timeout: float | None,
+               log_level: str = "info", graceful_timeout: float = 10.0) -> int:
+    import uvicorn
+
+    app = build_app(llm_engine, model_name, max_queued_requests, request_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=graceful_timeout)
+    server = _QuietSignalsServer(config)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
+        await server.serve()
+
+    asyncio.run(serve())
+    return 0
+
+
+class _QuietSignalsServer:
+    """uvicorn.Server whose shutdown we trigger from our own signal handlers, so SIGTERM
+    ends in a clean exit 0 (uvicorn would re-raise the signal after shutting down)."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def install_signal_handlers(self) -> None:  # older uvicorn
+                pass
+
+            @contextlib.contextmanager
+            def capture_signals(self):  # newer uvicorn
+                yield
+
+            def request_exit(self) -> None:
+                logger.info("shutting down: no new connections, finishing in-flight requests")
+                self.should_exit = True
+
+        return Server(config)

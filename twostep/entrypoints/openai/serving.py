@@ -1,0 +1,76 @@
+"""Turning RequestOutputs into OpenAI response bodies and stream chunks (completions and chat)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from twostep.core.tokenizer import Tokenizer
+from twostep.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+@dataclass
+class Choice:
+    """One choice's state while a response is built (prompt i, sample j -> index i * n + j)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
+                        entries: list[PositionLogprobs | None], offset: int) -> dict:
+    """OpenAI's legacy completions logprobs: parallel lists, first prompt token's logprob None."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(entry[tid].logprob if tid in entry else None)
+        tops.append({token_text(tokenizer, k): v.logprob for k, v in
+                     sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
+                  top_n: int) -> dict:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, tid)
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))[:top_n]
+        content.append({
+            "token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_text(tokenizer, k), "logprob": v.logprob,
+                              "bytes": list(token_text(tokenizer, k).encode())} for k, v in ranked],
+        })
+    return {"content": content}
+
+
+def usage(choices: list[Choice], prompts: list[list[int]], cached: list[int]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached)}}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def changed_completions(out: RequestOutput) -> list[CompletionOutput]:
+    """Completions of this output that carry something new (text, tokens or a finish)."""
+    return [c for c in out.outputs if c.delta_text or c.delta_token_ids or c.finish_reason]
