@@ -181,3 +181,29 @@ def test_missing_config_field_and_unused_tensors_are_refused(tmp_path, tiny_mode
     with pytest.raises(ValueError, match="o_proj.bias"):
         engine_for(folder)
     del json
+
+
+def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
+    from twostep.layers.linear import PackedLinear, can_prepack
+
+    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no native bf16 in oneDNN")
+    folder = tiny_model_dir("qwen2")   # with q/k/v biases
+    prompts = random_prompts([5, 40], seed=4)
+    logits, tokens = {}, {}
+    for packed in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory="4MiB",
+                                        cpu_prepack_weights=packed, enable_prefix_caching=False))
+        assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) == packed
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        logits[packed] = engine.runner.all_logits(engine.scheduler.schedule(), engine.kv)
+        engine.abort_request(list(engine.requests), emit_output=False)
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+               for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        tokens[packed] = [done[i].outputs[0].token_ids for i in ids]
+    assert torch.equal(logits[False], logits[True])
+    assert tokens[False] == tokens[True]

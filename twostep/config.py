@@ -22,6 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
     enable_prefix_caching: bool = True     # reuse KV blocks of shared prompt prefixes
     attention_backend: str = "reference"
+    cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     seed: int = 0                          # for requests without their own seed
     num_threads: int | None = None         # torch intra-op threads on CPU
 

@@ -21,6 +21,7 @@ from twostep.core.tokenizer import Tokenizer
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import get_attention_backend
+from twostep.layers.linear import can_prepack, prepack_linears
 from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
 from twostep.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from twostep.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class LLMEngine:
         self.tokenizer = _make_tokenizer(ckpt)
         self.max_model_len = _max_model_len(config, ckpt.config)
         self.model = build_model(ckpt, self.dtype, self.device, self.max_model_len)
+        if config.cpu_prepack_weights and can_prepack(self.dtype, self.device):
+            logger.info("pre-packed %d linear layers for oneDNN", prepack_linears(self.model))
         self.generation_config = dict(ckpt.generation_config or {})
         del ckpt
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model_config, self.model_path)
