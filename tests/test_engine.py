@@ -56,6 +56,14 @@ def test_bad_input_is_refused_and_others_finish(llm):
         engine.add_request([5, 10**6], SamplingParams())
     with pytest.raises(ValueError, match="string or a list"):
         engine.add_request(3.5, SamplingParams())
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request([5], SamplingParams(stop_token_ids=[10**6], min_tokens=2))
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request([5], SamplingParams(logprobs=10**6))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.add_request([5], SamplingParams(prompt_logprobs=21))
+    with pytest.raises(ValueError, match="n must be"):
+        engine.add_request([5], SamplingParams(n=10**6, temperature=1.0))
     ids.append(engine.add_request(good[1], SamplingParams(temperature=0, max_tokens=8)))
     outs = finish_all(engine, ids)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]

@@ -24,6 +24,8 @@ class EngineConfig:
     attention_backend: str = "reference"
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     seed: int = 0                          # for requests without their own seed
+    max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
+    max_n: int = 128                       # the most completions one request may ask for
     num_threads: int | None = None         # torch intra-op threads on CPU
 
     def __post_init__(self) -> None:

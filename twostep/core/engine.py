@@ -112,6 +112,7 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
+        self._check_params(params)
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
         arrival = arrival_time or time.monotonic()
@@ -256,6 +257,19 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError("prompt must be a string or a list of token ids")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: limits that depend on the model and engine."""
+        vocab, c = self.model_config.vocab_size, self.config
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > c.max_logprobs:
+                raise ValueError(f"{name} must be <= {c.max_logprobs} (--max-logprobs), got {value}")
+        if params.n > c.max_n:
+            raise ValueError(f"n must be <= {c.max_n}, got {params.n}")
 
     def _check_prompt(self, ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
