@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="the most logprobs / prompt_logprobs one request may ask for")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 
@@ -33,7 +35,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         num_threads=args.num_threads,
     )
 
