@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from twostep.entrypoints.cli import main
 
 
@@ -49,3 +51,11 @@ def test_folder_without_tokenizer_is_a_clear_error(tmp_path, tiny_model_dir, cap
     (folder / "tokenizer.json").unlink()
     assert main(["generate", "--model", str(folder), "hi"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_renders(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "--max-num-batched-tokens" in capsys.readouterr().out

@@ -20,7 +20,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help='KV cache size, e.g. "2GiB" (default: '
-                   f"{d.kv_cache_memory_fraction:.0%} of free memory, capped at what can be used)")
+                   f"{d.kv_cache_memory_fraction * 100:.0f}%% of free memory, capped at what can be used)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
