@@ -38,7 +38,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_id: str | None      # None: every request in flight
 
 
 class AsyncEngine:
@@ -95,6 +95,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """End every in-flight request (finish_reason "abort"); their streams close normally."""
+        self._inbox.put(_Abort(None))
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; leaving early (disconnect) aborts it."""
@@ -146,7 +150,9 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id)
+            if cmd.request_id is None:
+                logger.info("aborting %d in-flight requests", len(self._sinks))
+            self.engine.abort_request(list(self._sinks) if cmd.request_id is None else cmd.request_id)
             return
         try:
             if self.max_queued_requests is not None and self.engine.num_waiting >= self.max_queued_requests:

@@ -67,6 +67,8 @@ def _serve_parser(sub) -> None:
                    help="answer 503 when this many requests are already waiting")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
+    p.add_argument("--shutdown-grace-period", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
     add_engine_args(p)
 
 
@@ -77,7 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from(args))
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     return run_server(engine, name, args.host, args.port, args.max_queued_requests,
-                      args.request_timeout, log_level=args.log_level)
+                      args.request_timeout, log_level=args.log_level,
+                      graceful_timeout=args.shutdown_grace_period)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -254,7 +254,7 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
                 prompt_lps = batch.prompt_logprobs[c.index // body.n] or [None] * len(c.prompt_token_ids)
                 ids = c.prompt_token_ids + ids
                 entries = list(prompt_lps) + entries
-            lp = serving.completion_logprobs(tok, ids, entries, 0)
+            lp = serving.completion_logprobs(tok, ids, entries, serving.TokenTexts(tok))
         data.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason})
     return {"id": batch.id, "object": "text_completion", "created": serving.now(),
@@ -289,6 +289,7 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, batch:
     started: set[int] = set()
     done: set[int] = set()
     sent_tokens: dict[int, int] = {}
+    token_texts: dict[int, serving.TokenTexts] = {}
     choices: dict[int, Choice] = {}
     prompts = body.prompts()
     cached = [0] * len(prompts)
@@ -316,7 +317,8 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, batch:
             if body.logprobs is not None:
                 entries_ids += new
                 entries += (c.logprobs or [])[len(c.logprobs or []) - len(new):] if new else []
-                lp = serving.completion_logprobs(tok, entries_ids, entries, 0)
+                texts = token_texts.setdefault(index, serving.TokenTexts(tok))
+                lp = serving.completion_logprobs(tok, entries_ids, entries, texts)
             if not text and not new and not c.finish_reason:
                 continue
             choices[index] = Choice(index=index, prompt_token_ids=out.prompt_token_ids,
@@ -362,7 +364,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
     tok = state.tokenizer
     data = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs else None,
+             "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok))
+             if body.logprobs else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
     return {"id": batch.id, "object": "chat.completion", "created": serving.now(),
             "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
@@ -377,6 +380,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
                                     "logprobs": None, "finish_reason": None}]}
     done: set[int] = set()
     sent: dict[int, int] = {}
+    token_texts: dict[int, serving.TokenTexts] = {}
     last: dict[int, Choice] = {}
     cached, prompt_ids = [0], [[]]
     async for _, out in batch.outputs():
@@ -391,7 +395,8 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
                 continue
             lp = None
             if body.logprobs and new:
-                lp = serving.chat_logprobs(tok, new, c.logprobs[len(c.logprobs) - len(new):], top)
+                lp = serving.chat_logprobs(tok, new, c.logprobs[len(c.logprobs) - len(new):], top,
+                                           token_texts.setdefault(c.index, serving.TokenTexts(tok)))
             if c.finish_reason:
                 done.add(c.index)
             delta = {"content": c.delta_text} if c.delta_text or not c.finish_reason else {}
@@ -425,18 +430,28 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 def run_server(llm_engine: LLMEngine, model_name: str, host: str, port: int,
                max_queued_requests: int | None, request_timeout: float | None,
-               log_level: str = "info", graceful_timeout: float = 10.0) -> int:
+               log_level: str = "info", graceful_timeout: float = 5.0) -> int:
     import uvicorn
 
     app = build_app(llm_engine, model_name, max_queued_requests, request_timeout)
+    # In-flight requests get graceful_timeout seconds to finish, then are aborted so their
+    # streams end properly (finish_reason "abort", [DONE]); uvicorn waits a little longer.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=graceful_timeout)
+                            timeout_graceful_shutdown=graceful_timeout + 5.0)
     server = _QuietSignalsServer(config)
+    engine: AsyncEngine = app.state.twostep.engine
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if server.should_exit:
+                return
+            server.request_exit()
+            loop.call_later(graceful_timeout, engine.abort_all)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.request_exit)
+            loop.add_signal_handler(sig, on_signal)
         await server.serve()
 
     asyncio.run(serve())

@@ -26,15 +26,31 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+class TokenTexts:
+    """Each token's share of the decoded text, in order: a token holding only part of a
+    character gets "" and the token completing it gets the whole character, so the texts
+    concatenate to the decoded text and text_offset stays aligned (as vLLM does)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._stream = tokenizer.new_decode_stream(skip_special_tokens=False)
+        self.offset = 0
+
+    def next(self, token_ids: list[int]) -> tuple[list[str], list[int]]:
+        texts, offsets = [], []
+        for tid in token_ids:
+            text = self._stream.step(tid) or ""
+            texts.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return texts, offsets
+
+
 def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
-                        entries: list[PositionLogprobs | None], offset: int) -> dict:
+                        entries: list[PositionLogprobs | None], texts: TokenTexts) -> dict:
     """OpenAI's legacy completions logprobs: parallel lists, first prompt token's logprob None."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens, offsets = texts.next(token_ids)
+    token_lps, tops = [], []
     for tid, entry in zip(token_ids, entries):
-        text = token_text(tokenizer, tid)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
         if entry is None:
             token_lps.append(None)
             tops.append(None)
@@ -46,10 +62,10 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
-                  top_n: int) -> dict:
+                  top_n: int, texts: TokenTexts) -> dict:
     content = []
-    for tid, entry in zip(token_ids, entries):
-        text = token_text(tokenizer, tid)
+    tokens, _ = texts.next(token_ids)
+    for tid, text, entry in zip(token_ids, tokens, entries):
         ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))[:top_n]
         content.append({
             "token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),

@@ -1,0 +1,887 @@
+"""`twostep serve` end to end: a real server process on a free loopback port, driven with the
+official openai client and with httpx. Covers the OpenAI/vLLM request and response shapes,
+streaming, logprobs and echo, error handling, disconnects, the waiting-queue limit, per-request
+deadlines, /metrics and graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import make_tiny_model
+from twostep import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+MAX_MODEL_LEN = 64          # of the main server: a too-long prompt is cheap to send
+LONG_MAX_TOKENS = 16000     # takes the tiny model well over 20 s on two CPU cores
+
+CJK = "你好，世界！こんにちは 🙂🚀"
+EMOJI = "Once upon a time 🙂 there was a little girl"
+MIXED = "café naïve 🙂 The quick brown fox"
+ASCII = "What is the capital of France?"
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "你好 🙂 capital of France?"}]
+
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
+              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+COUNTERS = ["prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+            "num_preemptions", "request_success"]
+
+
+# ---- the server process --------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `twostep serve` subprocess; its stdout and stderr go to a log file."""
+
+    def __init__(self, folder: Path, log_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self.cmd = [sys.executable, "-m", "twostep.entrypoints.cli", "serve", "--model", str(folder),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                    "--kv-cache-memory", "16MiB", "--served-model-name", MODEL, *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def output(self, tail: int = 6000) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:]
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before becoming healthy:\n"
+                            f"{' '.join(self.cmd)}\n{self.output()}")
+            try:
+                if httpx.get(self.url("/health"), timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail(f"server not healthy after {timeout:.0f} s:\n{self.output()}")
+
+    def terminate(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait; the exit code, or None if it had to be killed."""
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def serve(folder: Path, log_dir: Path, *extra: str):
+    """Fixture body: a server for the module, shut down with SIGTERM, which must exit 0."""
+    server = Server(folder, log_dir, *extra)
+    try:
+        yield server
+    finally:
+        rc = server.terminate()
+        assert rc == 0, f"server did not exit 0 within 15 s of SIGTERM (rc={rc}):\n{server.output()}"
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """The same tiny model with a 16k context, for requests that run for many seconds."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen2-long"), "qwen2", max_position_embeddings=16384)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, log_dir):
+    yield from serve(model_dir, log_dir, "--max-model-len", str(MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="module")
+def limited_server(long_model_dir, log_dir):
+    yield from serve(long_model_dir, log_dir, "--max-queued-requests", "2", "--max-num-seqs", "1")
+
+
+@pytest.fixture(scope="module")
+def timeout_server(long_model_dir, log_dir):
+    yield from serve(long_model_dir, log_dir, "--request-timeout", "0.5")
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=60.0) as c:
+        yield c
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+def parse_sse(lines) -> list[dict]:
+    """The JSON payloads of an SSE body; it must end with `data: [DONE]` and nothing after it."""
+    chunks: list[dict] = []
+    done = False
+    for line in lines:
+        if not line.strip():
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        payload = line[len("data: "):]
+        assert not done, f"data after [DONE]: {line!r}"
+        if payload.strip() == "[DONE]":
+            done = True
+            continue
+        chunks.append(json.loads(payload))
+    assert done, f"stream did not end with data: [DONE]; last chunks: {chunks[-2:]}"
+    return chunks
+
+
+def stream_post(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
+    with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, (r.status_code, r.read())
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        return parse_sse(r.iter_lines())
+
+
+def stream_text(chunks: list[dict], chat: bool) -> dict[int, str]:
+    """Per choice index, the streamed deltas joined."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            piece = (ch["delta"].get("content") or "") if chat else ch["text"]
+            texts[ch["index"]] = texts.get(ch["index"], "") + piece
+    return texts
+
+
+def finish_reasons(chunks: list[dict]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            if ch.get("finish_reason"):
+                assert ch["index"] not in out, f"two finish reasons for choice {ch['index']}"
+                out[ch["index"]] = ch["finish_reason"]
+    return out
+
+
+def final_usage(chunks: list[dict]) -> dict:
+    last = chunks[-1]
+    assert last.get("usage") and last["choices"] == [], f"no final usage chunk: {last}"
+    assert all(c.get("usage") is None for c in chunks[:-1]), "usage before the last chunk"
+    return last["usage"]
+
+
+def assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, f"expected {status}, got {r.status_code}: {r.text[:500]}"
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= set(err), err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    return err
+
+
+def tokenize(server, text: str) -> dict:
+    r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def first_clean_window(text: str, width: int = 3) -> str:
+    """A substring of `text` after its first character without replacement characters."""
+    for i in range(1, len(text) - width):
+        window = text[i:i + width]
+        if "\ufffd" not in window:
+            return window
+    pytest.fail(f"no usable stop string in {text!r}")
+
+
+def close(a: float, b: float, tol: float = 1e-4) -> bool:
+    return abs(a - b) < tol
+
+
+def scrape(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url("/metrics"), timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain"), r.headers
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def metric(families: dict, family: str, sample: str | None = None, **labels) -> float:
+    """Sum of a family's samples named `sample` (default: the family's value samples) that
+    carry the given labels."""
+    fam = families.get(family)
+    assert fam is not None, f"{family} not in /metrics: {sorted(families)}"
+    if sample is None:
+        sample = family + ("_total" if fam.type == "counter" else "")
+    return sum(s.value for s in fam.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def wait_idle(server, timeout: float) -> dict:
+    """Poll /metrics until nothing runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fams = scrape(server)
+        state = {g: metric(fams, "twostep:" + g) for g in GAUGES}
+        if all(v == 0 for v in state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+# ---- 1. the openai client: completions and chat ---------------------------------------------
+
+def test_health_models_tokenize_detokenize(server, client, offline):
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    models = client.models.list().data
+    assert MODEL in [m.id for m in models]
+    for text in (CJK, EMOJI, ASCII):
+        body = tokenize(server, text)
+        assert body["tokens"] == offline.tokenizer.encode(text)
+        assert body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == MAX_MODEL_LEN
+        r = httpx.post(server.url("/detokenize"), json={"model": MODEL, "tokens": body["tokens"]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt"] == text
+
+
+@pytest.mark.parametrize("prompt", [CJK, EMOJI, MIXED], ids=["cjk", "emoji", "mixed"])
+def test_greedy_completion_matches_offline(client, offline, prompt):
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert resp.object == "text_completion" and resp.model == MODEL
+    assert len(resp.choices) == 1 and resp.choices[0].index == 0
+    assert resp.choices[0].text == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_prompt_forms_list_and_token_ids(client, offline):
+    prompts = [CJK, ASCII]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    by_index = {c.index: c.text for c in resp.choices}
+    assert [by_index[0], by_index[1]] == [r.outputs[0].text for r in refs]
+    assert resp.usage.completion_tokens == 20
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    ids = refs[0].prompt_token_ids
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == refs[0].outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+def test_greedy_chat_matches_offline(client, offline):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert resp.object == "chat.completion"
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and msg.content == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("prompt", [CJK, MIXED], ids=["cjk", "mixed"])
+def test_seeded_completion_stream_joins_to_full_text(client, prompt):
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].text
+    assert finish == full.choices[0].finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens == 24
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.total_tokens == usage.prompt_tokens + 24
+    other = client.completions.create(**{**kw, "seed": 99})
+    assert other.choices[0].text != full.choices[0].text
+
+
+def test_seeded_chat_stream_joins_to_full_text(client):
+    messages = [{"role": "user", "content": CJK}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=1.0, seed=42,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    pieces, roles, finish, usage = [], [], None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            pieces.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert roles and roles[0] == "assistant"
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens == 24
+
+
+def test_stop_strings_cut_the_output(client, offline):
+    ref = offline.generate([CJK], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    stop = first_clean_window(ref)
+    cut = ref[:ref.index(stop)]
+    kw = dict(model=MODEL, prompt=CJK, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(stop=[stop], **kw)
+    assert resp.choices[0].text == cut
+    assert resp.choices[0].finish_reason == "stop"
+    # a string given on its own, and a stop that never appears next to one that does
+    resp = client.completions.create(stop=stop, **kw)
+    assert resp.choices[0].text == cut
+    resp = client.completions.create(stop=["\u2603never\u2603", stop], **kw)
+    assert resp.choices[0].text == cut
+    # streamed: the deltas never show the stop string or anything after it
+    pieces, finish = [], None
+    for chunk in client.completions.create(stop=[stop], stream=True, **kw):
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == cut and finish == "stop"
+
+
+def test_stop_strings_in_chat(client, offline):
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].text
+    stop = first_clean_window(ref)
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                          stop=[stop], extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == ref[:ref.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_n_choices(client, server):
+    kw = dict(model=MODEL, prompt=EMOJI, max_tokens=8, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kw)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert len({c.text for c in resp.choices}) > 1, "three samples were identical"
+    assert resp.usage.completion_tokens == 24
+    # streamed with the same seed: each index carries the same text as the non-streamed choice
+    chunks = stream_post(server.url("/v1/completions"), {
+        "model": MODEL, "prompt": EMOJI, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    texts = stream_text(chunks, chat=False)
+    assert texts == {c.index: c.text for c in resp.choices}
+    assert finish_reasons(chunks) == {0: "length", 1: "length", 2: "length"}
+    assert final_usage(chunks)["completion_tokens"] == 24
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0,
+                                          seed=3, n=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+    assert all(c.message.role == "assistant" for c in chat.choices)
+    assert chat.usage.completion_tokens == 18
+
+
+def test_completion_logprobs_match_offline(client, offline):
+    resp = client.completions.create(model=MODEL, prompt=MIXED, max_tokens=8, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    ref = offline.generate([MIXED], SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    lp = resp.choices[0].logprobs
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert lp.text_offset == sorted(lp.text_offset)
+    for i, tok in enumerate(ref.token_ids):
+        assert close(lp.token_logprobs[i], ref.logprobs[i][tok].logprob)
+        top = lp.top_logprobs[i]
+        assert 1 <= len(top) <= 3
+        ref_values = [v.logprob for v in ref.logprobs[i].values()]
+        assert all(any(close(v, r) for r in ref_values) for v in top.values()), (top, ref_values)
+        # keyed by decoded text, so tokens that decode alike (partial UTF-8) share one key
+        names = [offline.tokenizer.decode([t]) for t in ref.logprobs[i]]
+        assert set(top) <= set(names), (top, names)
+        chosen = ref.logprobs[i][tok].decoded_token
+        if names.count(chosen) == 1:
+            assert close(top[chosen], lp.token_logprobs[i])
+
+
+def test_chat_logprobs_match_offline(client, offline):
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 8
+    for i, (entry, tok) in enumerate(zip(content, ref.token_ids)):
+        assert close(entry.logprob, ref.logprobs[i][tok].logprob)
+        assert len(entry.top_logprobs) == 2
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert close(values[0], entry.logprob)
+        assert isinstance(entry.token, str)
+    # without logprobs there are none
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_openai_and_vllm_sampling_fields(client, offline):
+    first = offline.generate([EMOJI], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    tok = first.outputs[0].token_ids[0]
+    extra = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2}
+    resp = client.completions.create(model=MODEL, prompt=EMOJI, max_tokens=6, temperature=0.9, top_p=0.9,
+                                     presence_penalty=0.5, frequency_penalty=0.5, user="tester", seed=5,
+                                     extra_body=extra)
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
+    # stop_token_ids ends on the token; min_tokens holds it off
+    resp = client.completions.create(model=MODEL, prompt=EMOJI, max_tokens=10, temperature=0,
+                                     extra_body={"stop_token_ids": [tok]})
+    assert resp.choices[0].finish_reason == "stop" and resp.usage.completion_tokens == 1
+    resp = client.completions.create(model=MODEL, prompt=EMOJI, max_tokens=10, temperature=0,
+                                     extra_body={"stop_token_ids": [tok], "min_tokens": 3})
+    assert resp.usage.completion_tokens >= 3
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=5, temperature=0.5,
+                                          top_p=0.8, presence_penalty=0.1, user="tester",
+                                          extra_body={"ignore_eos": True, "top_k": 3})
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+
+
+def test_usage_counts_are_exact(client, server):
+    for prompt, max_tokens in [(CJK, 1), (EMOJI, 7), (ASCII, 19)]:
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.7,
+                                         extra_body={"ignore_eos": True})
+        u = resp.usage
+        assert u.prompt_tokens == tokenize(server, prompt)["count"]
+        assert u.completion_tokens == max_tokens
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert u.prompt_tokens_details is not None and isinstance(u.prompt_tokens_details.cached_tokens, int)
+    # a prompt of more than two KV blocks, sent twice: the second finds its prefix cached
+    prompt = "Usage test, prefix caching: " + "Lily loved to play outside. " * 4
+    n_prompt = tokenize(server, prompt)["count"]
+    assert 33 <= n_prompt <= MAX_MODEL_LEN - 4, n_prompt
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == n_prompt
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < n_prompt
+    assert second.choices[0].text == first.choices[0].text
+
+
+# ---- 2. echo with prompt logprobs (lm-evaluation-harness loglikelihood) ----------------------
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+@pytest.mark.parametrize("prompt", [ASCII, "The capital of France is Paris. 你好 🚀"], ids=["ascii", "cjk"])
+def test_echo_prompt_logprobs_match_offline(server, offline, prompt, max_tokens):
+    r = httpx.post(server.url("/v1/completions"), json={
+        "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": max_tokens,
+        "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ch = body["choices"][0]
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    n = len(ids)
+    lp = ch["logprobs"]
+    total = n + max_tokens
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == total
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, n):
+        ref_pos = ref.prompt_logprobs[i]
+        assert close(lp["token_logprobs"][i], ref_pos[ids[i]].logprob), i
+        top = lp["top_logprobs"][i]
+        assert 1 <= len(top) <= 3
+        ref_values = [v.logprob for v in ref_pos.values()]
+        assert all(any(close(v, rv) for rv in ref_values) for v in top.values()), (i, top, ref_values)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    if prompt.isascii():   # every token decodes on its own: the pieces spell the prompt
+        assert "".join(lp["tokens"][:n]) == prompt
+        assert lp["text_offset"][:n] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+    if max_tokens == 0:
+        assert ch["text"] == prompt
+    else:
+        gen = ref.outputs[0]
+        assert ch["text"] == prompt + gen.text
+        assert close(lp["token_logprobs"][n], gen.logprobs[0][gen.token_ids[0]].logprob)
+        assert lp["text_offset"][n] == len(prompt), (
+            f"the generated token's text_offset must be where it starts in the text: "
+            f"{list(zip(lp['tokens'], lp['text_offset']))}")
+    assert body["usage"]["prompt_tokens"] == n
+    assert body["usage"]["completion_tokens"] == max_tokens
+
+
+# ---- 3. bad requests --------------------------------------------------------------------------
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK_CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    ("max_tokens as a string", C, {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400),
+    ("negative max_tokens", C, {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400),
+    ("max_tokens 0 without echo", C, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    ("negative temperature", C, {"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
+    ("top_p above 1", C, {"model": MODEL, "prompt": "hi", "top_p": 2.0}, 400),
+    ("n 0", C, {"model": MODEL, "prompt": "hi", "n": 0}, 400),
+    ("unknown field", C, {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400),
+    ("unknown field in chat", CH, {"model": MODEL, "messages": OK_CHAT, "frobnicate": True}, 400),
+    ("prompt over max_model_len", C, {"model": MODEL, "prompt": "Lily loved to play outside. " * 20}, 400),
+    ("token ids over max_model_len", C, {"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN + 10)}, 400),
+    ("token id out of vocabulary", C, {"model": MODEL, "prompt": [5, 10**6]}, 400),
+    ("empty prompt", C, {"model": MODEL, "prompt": ""}, 400),
+    ("prompt of the wrong type", C, {"model": MODEL, "prompt": {"a": 1}}, 400),
+    ("suffix", C, {"model": MODEL, "prompt": "hi", "suffix": "bye"}, 400),
+    ("empty messages", CH, {"model": MODEL, "messages": []}, 400),
+    ("messages not a list", CH, {"model": MODEL, "messages": "hi"}, 400),
+    ("chat max_tokens as a string", CH, {"model": MODEL, "messages": OK_CHAT, "max_tokens": "ten"}, 400),
+    ("chat negative temperature", CH, {"model": MODEL, "messages": OK_CHAT, "temperature": -1}, 400),
+    ("body not an object", C, [1, 2, 3], 400),
+    ("unknown model", C, {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("unknown model in chat", CH, {"model": "no-such-model", "messages": OK_CHAT}, 404),
+]
+
+
+def test_bad_requests_get_openai_errors_while_a_good_stream_completes(server):
+    stop = threading.Event()
+    results: list = []
+
+    def good_streams():
+        body = {"model": MODEL, "prompt": CJK, "max_tokens": 40, "temperature": 1.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            while True:
+                chunks = stream_post(server.url(C), body)
+                results.append((final_usage(chunks)["completion_tokens"], finish_reasons(chunks)))
+                if stop.is_set():
+                    return
+        except BaseException as e:  # reported by the main thread
+            results.append(e)
+
+    worker = threading.Thread(target=good_streams, daemon=True)
+    worker.start()
+    failures = []
+    try:
+        with httpx.Client(timeout=30) as c:
+            for name, path, body, status in BAD_REQUESTS:
+                try:
+                    err = assert_error(c.post(server.url(path), json=body), status)
+                    if "max_model_len" in name:
+                        assert str(MAX_MODEL_LEN) in err["message"], f"limit not in message: {err}"
+                except AssertionError as e:
+                    failures.append(f"{name}: {e}")
+            for name, raw in [("malformed JSON", b'{"model": "tiny", "prompt": '),
+                              ("not JSON at all", b"prompt=hi")]:
+                for path in (C, CH):
+                    try:
+                        assert_error(c.post(server.url(path), content=raw,
+                                            headers={"content-type": "application/json"}), 400)
+                    except AssertionError as e:
+                        failures.append(f"{name} to {path}: {e}")
+    finally:
+        stop.set()
+        worker.join(60)
+    assert not worker.is_alive(), "the good stream hung"
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"the concurrent good request failed: {errors[0]!r}"
+    assert results and all(r == (40, {0: "length"}) for r in results), results
+    assert not failures, "\n".join(failures)
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+
+
+# ---- 7. /metrics --------------------------------------------------------------------------------
+
+def test_metrics_parse_and_agree_with_requests(server, client):
+    fams = scrape(server)
+    for name in HISTOGRAMS:
+        fam = fams.get("twostep:" + name)
+        assert fam is not None and fam.type == "histogram", name
+        buckets = [s for s in fam.samples if s.name.endswith("_bucket")]
+        assert any(s.labels.get("le") == "+Inf" for s in buckets), name
+    for name in GAUGES:
+        assert fams.get("twostep:" + name) is not None and fams["twostep:" + name].type == "gauge", name
+    for name in COUNTERS:
+        assert fams.get("twostep:" + name) is not None and fams["twostep:" + name].type == "counter", name
+
+    before = fams
+    # short prompts (no full 16-token KV block, so no prefix-cache hit muddies prompt_tokens)
+    usages = []
+    for prompt, max_tokens in [("Metrics one", 5), ("Metrics two 🙂", 7)]:
+        usages.append(client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 extra_body={"ignore_eos": True}).usage.model_dump())
+    usages.append(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Metrics 三"}], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True}).usage.model_dump())
+    chunks = stream_post(server.url(C), {"model": MODEL, "prompt": "Metrics four", "max_tokens": 6,
+                                         "ignore_eos": True, "stream": True,
+                                         "stream_options": {"include_usage": True}})
+    usages.append(final_usage(chunks))
+    sent = len(usages)
+    assert [u["completion_tokens"] for u in usages] == [5, 7, 4, 6]
+
+    deadline = time.monotonic() + 5
+    while True:   # the stats of a finished request may land a moment after its response
+        after = scrape(server)
+        diff = lambda fam, sample=None, **labels: (  # noqa: E731
+            metric(after, fam, sample, **labels) - metric(before, fam, sample, **labels))
+        if diff("twostep:request_success") >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert diff("twostep:request_success") == sent
+    assert diff("twostep:request_success", finished_reason="length") == sent
+    assert diff("twostep:generation_tokens") == sum(u["completion_tokens"] for u in usages)
+    assert diff("twostep:prompt_tokens") == sum(u["prompt_tokens"] for u in usages)
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds"):
+        fam = "twostep:" + name
+        assert diff(fam, fam + "_count") == sent, name
+        assert diff(fam, fam + "_bucket", le="+Inf") == sent, name
+        assert diff(fam, fam + "_sum") > 0, name
+    itl = "twostep:inter_token_latency_seconds"
+    assert diff(itl, itl + "_count") == sum(u["completion_tokens"] - 1 for u in usages)
+    assert diff("twostep:prefix_cache_queries") >= 0 and diff("twostep:prefix_cache_hits") >= 0
+    state = wait_idle(server, 5)
+    assert all(v == 0 for v in state.values()), state
+
+
+# ---- 6. load ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_100_concurrent_streams_all_complete(server):
+    prompts = ["Once upon a time", "你好 🙂", "The quick brown fox", "café 🚀 naïve", "What is"]
+    before = scrape(server)
+
+    async def one(c: httpx.AsyncClient, i: int):
+        max_tokens = 1 + (i * 7) % 32
+        body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0.8, "seed": i, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        chat = i % 2 == 1
+        if chat:
+            body["messages"] = [{"role": "user", "content": f"{i} {prompts[i % len(prompts)]}"}]
+        else:
+            body["prompt"] = f"{i}: {prompts[i % len(prompts)]}"
+        async with c.stream("POST", server.url(CH if chat else C), json=body) as r:
+            lines = [line async for line in r.aiter_lines()]
+            assert r.status_code == 200, (i, r.status_code, lines[:3])
+        chunks = parse_sse(lines)
+        usage = final_usage(chunks)
+        assert usage["completion_tokens"] == max_tokens, (i, usage)
+        assert finish_reasons(chunks) == {0: "length"}, i
+        content_chunks = sum(1 for ch in chunks for x in ch["choices"]
+                             if (x["delta"].get("content") if chat else x["text"]))
+        assert content_chunks <= max_tokens, (i, content_chunks)
+        return usage
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(100)), return_exceptions=True)
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of 100 failed, e.g. {failed[:3]!r}"
+    assert len(results) == 100
+    state = wait_idle(server, 5)
+    assert all(v == 0 for v in state.values()), state
+    after = scrape(server)
+    assert metric(after, "twostep:request_success") - metric(before, "twostep:request_success") == 100
+    assert (metric(after, "twostep:generation_tokens") - metric(before, "twostep:generation_tokens")
+            == sum(u["completion_tokens"] for u in results))
+    assert elapsed < 90
+
+
+# ---- 5. the waiting-queue limit ------------------------------------------------------------------
+
+def test_queue_limit_gives_503_and_the_rest_complete(limited_server):
+    n = 10
+    barrier = threading.Barrier(n)
+    responses: list = [None] * n
+
+    def send(i: int):
+        body = {"model": MODEL, "prompt": f"{i} {EMOJI}", "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True}
+        try:
+            with httpx.Client(timeout=120) as c:
+                barrier.wait(10)
+                responses[i] = c.post(limited_server.url(C), json=body)
+        except BaseException as e:
+            responses[i] = e
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    errors = [r for r in responses if not isinstance(r, httpx.Response)]
+    assert not errors, errors
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {200, 503}, statuses
+    rejected = [r for r in responses if r.status_code == 503]
+    done = [r for r in responses if r.status_code == 200]
+    assert rejected, f"no 503 with 1 running and at most 2 waiting: {statuses}"
+    assert done, statuses
+    for r in rejected:
+        assert_error(r, 503)
+    for r in done:
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 300 and body["choices"][0]["finish_reason"] == "length"
+    # the server takes work again once the queue has drained
+    r = httpx.post(limited_server.url(C), json={"model": MODEL, "prompt": "again", "max_tokens": 3,
+                                                "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- 4. a client that disconnects mid-stream ---------------------------------------------------
+
+@pytest.mark.parametrize("path", [C, CH], ids=["completions", "chat"])
+def test_disconnect_aborts_and_frees_kv_blocks(limited_server, path):
+    body = {"model": MODEL, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    if path == CH:
+        body["messages"] = [{"role": "user", "content": CJK}]
+    else:
+        body["prompt"] = CJK
+    assert all(v == 0 for v in wait_idle(limited_server, 10).values())
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", limited_server.url(path), json=body) as r:
+            assert r.status_code == 200
+            # keep the iterator alive: abandoning it mid-body makes httpcore close the connection
+            lines = r.iter_lines()
+            seen = 0
+            while seen < 5:
+                seen += next(lines).startswith("data: ")
+            fams = scrape(limited_server)
+            assert metric(fams, "twostep:num_requests_running") == 1
+            assert metric(fams, "twostep:kv_cache_usage_perc") > 0
+    closed = time.monotonic()
+    # finishing LONG_MAX_TOKENS tokens would take far longer than this
+    state = wait_idle(limited_server, 5)
+    assert all(v == 0 for v in state.values()), (
+        f"{time.monotonic() - closed:.1f} s after the client went away: {state}")
+
+
+# ---- 8. per-request deadline ---------------------------------------------------------------------
+
+def test_request_timeout_ends_requests_with_a_finish_reason(timeout_server):
+    body = {"model": MODEL, "prompt": CJK, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    r = httpx.post(timeout_server.url(C), json=body, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] in ("length", "abort"), out["choices"][0]
+    assert out["usage"]["completion_tokens"] < LONG_MAX_TOKENS
+    assert elapsed < 10, f"a 0.5 s deadline took {elapsed:.1f} s"
+
+    t0 = time.monotonic()
+    chunks = stream_post(timeout_server.url(CH), {"model": MODEL, "messages": [{"role": "user", "content": CJK}],
+                                                  "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    assert time.monotonic() - t0 < 10
+    assert finish_reasons(chunks)[0] in ("length", "abort")
+    assert final_usage(chunks)["completion_tokens"] < LONG_MAX_TOKENS
+
+    # a short request is untouched by the deadline
+    r = httpx.post(timeout_server.url(C), json={**body, "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 5
+    state = wait_idle(timeout_server, 5)
+    assert all(v == 0 for v in state.values()), state
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+def test_serve_help_lists_the_server_flags():
+    r = subprocess.run([sys.executable, "-m", "twostep.entrypoints.cli", "serve", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in ("--host", "--port", "--served-model-name", "--max-queued-requests", "--request-timeout",
+                 "--max-model-len", "--kv-cache-memory"):
+        assert flag in r.stdout, flag
+
+
+# ---- graceful shutdown with a request in flight ---------------------------------------------------
+
+def test_sigterm_with_a_stream_in_flight_exits_0(long_model_dir, log_dir):
+    server = Server(long_model_dir, log_dir)
+    try:
+        body = {"model": MODEL, "prompt": CJK, "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        rest: list[str] = []
+        with httpx.Client(timeout=30) as c, c.stream("POST", server.url(C), json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            # the stream must end (finished or aborted), not run on for its 16k tokens
+            cut = None
+            try:
+                for line in lines:
+                    if line.strip():
+                        rest.append(line)
+                    assert time.monotonic() - t0 < 15, "the stream ran on for 15 s after SIGTERM"
+            except httpx.HTTPError as e:
+                cut = e
+            ended = time.monotonic() - t0
+        # finished or aborted means a clear end: a finish reason and [DONE], not a cut connection
+        assert cut is None, (f"{ended:.1f} s after SIGTERM the connection was cut mid-stream ({cut!r}); "
+                             f"last lines {rest[-2:]}")
+        assert rest and rest[-1] == "data: [DONE]", rest[-2:]
+        finals = [json.loads(x[6:]) for x in rest[:-1]]
+        assert any(ch.get("finish_reason") for f in finals for ch in f["choices"]), rest[-3:]
+        try:
+            rc = server.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0, f"exit code {rc} after SIGTERM:\n{server.output()}"
+    finally:
+        server.kill()
