@@ -18,6 +18,7 @@ from twostep.core.request import Request
 from twostep.core.sampler import Sampler
 from twostep.core.scheduler import Scheduler
 from twostep.core.tokenizer import Tokenizer
+from twostep.core.trace import StepTracer
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import get_attention_backend
@@ -77,6 +78,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []
         self._parents: dict[str, ParentRequest] = {}   # n > 1: parent and child ids -> parent
+        self.tracer: StepTracer | None = None          # set by enable_tracing()
         self._next_id = 0
         logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d",
                     self.model_path, self.model_config.architecture, self.model_config.num_layers,
@@ -195,6 +197,12 @@ class LLMEngine:
             "prefix_cache_evictions": self.kv.pool.num_evictions,
         }
 
+    def enable_tracing(self) -> StepTracer:
+        """Record every step and request from now on (Chrome trace-event JSON)."""
+        if self.tracer is None:
+            self.tracer = StepTracer()
+        return self.tracer
+
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
 
@@ -218,6 +226,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling decision, one forward pass, one token for each request that
         completed its known tokens. Returns outputs of requests that changed."""
+        step_start = time.monotonic()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         for request in sched.cannot_fit:
@@ -238,7 +247,21 @@ class LLMEngine:
             out = self._process(result, now)
             if out is not None:
                 outputs.append(out)
+        if self.tracer is not None:
+            self._trace_step(step_start, sched)
         return outputs
+
+    def _trace_step(self, start: float, sched) -> None:
+        parts = []
+        for s in sched.scheduled:
+            # A decode is one new token past the prompt; prompt chunks and recomputation
+            # after preemption are prefill work.
+            is_decode = s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens
+            parts.append((s.request.request_id, 0 if is_decode else s.num_tokens,
+                          1 if is_decode else 0))
+        stats = self.kv.prefix_stats
+        self.tracer.record_step(start, time.monotonic(), parts, self.kv.pool.num_used_blocks,
+                                stats.hits, self.scheduler.num_preemptions)
 
     # ---- internals --------------------------------------------------------------------
 
@@ -365,6 +388,8 @@ class LLMEngine:
         )
         if request.is_finished:
             self.requests.pop(request.request_id, None)
+            if self.tracer is not None:
+                self.tracer.record_request(request.request_id, request.metrics, request.finish_reason)
         out = RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,

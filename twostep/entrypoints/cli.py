@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="the most logprobs / prompt_logprobs one request may ask for")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write a per-step trace (Chrome trace-event JSON, opens in Perfetto)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 
 
@@ -77,10 +79,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from twostep.entrypoints.openai.server import run_server
 
     engine = LLMEngine(engine_config_from(args))
+    tracer = engine.enable_tracing() if args.trace else None
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    return run_server(engine, name, args.host, args.port, args.max_queued_requests,
-                      args.request_timeout, log_level=args.log_level,
-                      graceful_timeout=args.shutdown_grace_period)
+    rc = run_server(engine, name, args.host, args.port, args.max_queued_requests,
+                    args.request_timeout, log_level=args.log_level,
+                    graceful_timeout=args.shutdown_grace_period)
+    if tracer is not None:   # the engine thread has stopped: the trace is complete
+        tracer.write(args.trace)
+    return rc
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -91,6 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
         stop=args.stop, ignore_eos=args.ignore_eos)
     engine = LLMEngine(engine_config_from(args))
+    tracer = engine.enable_tracing() if args.trace else None
     prompt: str | list[int] = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -106,6 +113,9 @@ def run_generate(args: argparse.Namespace) -> int:
                 final = out
     sys.stdout.write("\n")
     print(summary_line(final, engine), file=sys.stderr)
+    if tracer is not None:
+        tracer.write(args.trace)
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 
