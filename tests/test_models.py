@@ -207,3 +207,17 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
         tokens[packed] = [done[i].outputs[0].token_ids for i in ids]
     assert torch.equal(logits[False], logits[True])
     assert tokens[False] == tokens[True]
+
+
+def test_incomplete_checkpoint_names_the_missing_tensor(tmp_path, tiny_model_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layers.1.self_attn.k_proj.weight"):
+        engine_for(folder)

@@ -61,18 +61,22 @@ class ReferenceAttention:
     def _decode(self, q, kv_cache, meta, scale, out) -> None:
         rows = meta.decode_rows
         starts = [meta.query_start_loc[r] for r in rows]
-        max_len = max(meta.seq_lens[r] for r in rows)
+        lens = [meta.seq_lens[r] for r in rows]
+        max_len = max(lens)
         tables = meta.block_tables[rows, : _blocks_for(max_len, meta.block_size)]
         keys, values = _gather(kv_cache, tables, max_len)              # [B, L, Hkv, D]
         idx = torch.tensor(starts, device=q.device)
         queries = q[idx].unsqueeze(2)                                  # [B, H, 1, D]
-        positions = torch.arange(max_len, device=q.device)
-        valid = positions[None, :] < meta.decode_seq_lens[:, None]     # [B, L]
-        # Padding reads slots never written (the cache is allocated uninitialised): zero them,
-        # since a masked score still multiplies its value and NaN * 0 is NaN.
-        keep = valid[:, :, None, None]
-        keys, values = keys.where(keep, 0), values.where(keep, 0)
-        o = _sdpa(queries, keys, values, valid[:, None, None, :], scale)  # [B, H, 1, D]
+        mask = None
+        if min(lens) != max_len:
+            positions = torch.arange(max_len, device=q.device)
+            valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
+            # Padding reads slots never written (the cache is allocated uninitialised): zero
+            # them, since a masked score still multiplies its value and NaN * 0 is NaN.
+            keep = valid[:, :, None, None]
+            keys, values = keys.where(keep, 0), values.where(keep, 0)
+            mask = valid[:, None, None, :]
+        o = _sdpa(queries, keys, values, mask, scale)                  # [B, H, 1, D]
         out[idx] = o.squeeze(2).to(out.dtype)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
@@ -105,14 +109,9 @@ def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int):
 
 def _sdpa(q, keys, values, mask, scale, causal: bool = False) -> torch.Tensor:
     """q [B, H, q, D]; keys/values [B, L, Hkv, D]; grouped heads share their K/V head."""
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                          scale=scale)
+                                          scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
 def get_attention_backend(name: str = "reference") -> AttentionBackend:

@@ -47,12 +47,15 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, D]: computed once per step, used by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    """q: [T, H, D], k: [T, Hkv, D]; cos/sin: [T, 1, D] from RotaryEmbedding.lookup."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

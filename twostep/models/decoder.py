@@ -1,7 +1,9 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3: the families differ only in ModelConfig switches.
 
-Module names mirror HF's so checkpoints load by name. forward() takes a flat batch of
-tokens (no padding) plus AttentionMetadata and knows nothing of requests or scheduling.
+Module names mirror HF's, except that q/k/v and gate/up are fused into one matmul each
+(qkv_proj, gate_up_proj; models/weights.py concatenates the checkpoint's tensors): fewer,
+larger matmuls per layer. forward() takes a flat batch of tokens (no padding) plus
+AttentionMetadata and knows nothing of requests or scheduling.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from torch import nn
 
 from twostep.layers.attention import AttentionBackend, AttentionMetadata
 from twostep.layers.norm import RMSNorm
-from twostep.layers.rotary import RotaryEmbedding
+from twostep.layers.rotary import RotaryEmbedding, apply_rotary
 from twostep.models.config import ModelConfig
 
 
@@ -20,10 +22,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        bias = cfg.qkv_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -31,16 +32,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
                 ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -48,12 +50,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -64,8 +66,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+    def forward(self, x, rope, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,8 +103,9 @@ class DecoderForCausalLM(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer(x, rope, kv_cache, meta, backend)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

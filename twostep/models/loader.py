@@ -12,6 +12,7 @@ import torch
 
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.weights import fuse_projections
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     with torch.device("meta"):
         model = DecoderForCausalLM(ckpt.config)
     expected = set(model.state_dict().keys())
+    ckpt.tensors = fuse_projections(ckpt.tensors, ckpt.config.num_layers)
     if ckpt.config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     unused = sorted(k for k in ckpt.tensors if k not in expected and not _harmless(k, ckpt.config))
