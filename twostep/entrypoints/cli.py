@@ -74,6 +74,18 @@ def _serve_parser(sub) -> None:
     add_engine_args(p)
 
 
+def _analyze_parser(sub) -> None:
+    from twostep.analysis.cli import add_analyze_args
+
+    add_analyze_args(sub.add_parser("analyze", help="roofline and memory analysis of a model on a hardware"))
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    from twostep.analysis.cli import run_analyze as run
+
+    return run(args)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from twostep.core.engine import LLMEngine
     from twostep.entrypoints.openai.server import run_server
@@ -141,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _analyze_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("twostep").setLevel(args.log_level.upper())
@@ -149,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "analyze":
+            return run_analyze(args)
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

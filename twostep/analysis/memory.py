@@ -1,0 +1,38 @@
+"""How much KV cache a context and a concurrency need, and how much fits next to the weights.
+
+Weights and KV only: activations, the allocator's slack and the runtime's own memory come on top,
+so the maxima here are upper bounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twostep.analysis.model_stats import ModelStats
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryPlan:
+    budget: int
+    weight_bytes: float
+    kv_budget: float            # budget - weights; negative when the weights alone do not fit
+    context: int
+    concurrency: int
+    kv_bytes: int               # k x context x concurrency
+    fits: bool                  # weights + that KV within the budget
+    max_tokens: int             # KV tokens that fit in all, over every sequence
+    max_context: int            # per sequence, with `concurrency` sequences
+    max_concurrency: int        # sequences of `context` tokens
+    model_max_context: int      # the model's max_position_embeddings, for comparison
+
+
+def plan_memory(m: ModelStats, budget: int, context: int, concurrency: int) -> MemoryPlan:
+    k = m.kv.bytes_per_token
+    kv_budget = budget - m.weight_bytes
+    kv_bytes = k * context * concurrency
+    max_tokens = int(kv_budget // k) if kv_budget > 0 else 0
+    return MemoryPlan(
+        budget=budget, weight_bytes=m.weight_bytes, kv_budget=kv_budget, context=context,
+        concurrency=concurrency, kv_bytes=kv_bytes, fits=kv_bytes <= kv_budget,
+        max_tokens=max_tokens, max_context=max_tokens // concurrency,
+        max_concurrency=max_tokens // context, model_max_context=m.max_context,
+    )

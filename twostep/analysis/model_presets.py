@@ -1,0 +1,67 @@
+"""Well-known models by name, as the fields of their public config.json that the analysis reads.
+
+Each `config_json` is copied from the model's config.json on the Hugging Face hub (the repo named),
+trimmed to what parameter and KV counting need. `published_params` is the parameter count the model
+card states, kept so tests can hold our counting against it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ModelPreset:
+    key: str
+    name: str
+    repo: str
+    published_params: float
+    config_json: str
+
+    def hf_config(self) -> dict:
+        return json.loads(self.config_json)
+
+
+MODEL_PRESETS = (
+    ModelPreset("qwen2.5-7b", "Qwen2.5-7B", "Qwen/Qwen2.5-7B", 7.61e9, """{
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "max_position_embeddings": 131072, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16"}"""),
+    ModelPreset("qwen2.5-72b", "Qwen2.5-72B", "Qwen/Qwen2.5-72B", 72.7e9, """{
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 8192, "intermediate_size": 29568,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 152064, "max_position_embeddings": 131072, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16"}"""),
+    ModelPreset("qwen2.5-0.5b", "Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", 0.49e9, """{
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": true,
+        "torch_dtype": "bfloat16"}"""),
+    ModelPreset("llama-3.1-8b", "Llama-3.1-8B", "meta-llama/Llama-3.1-8B", 8.03e9, """{
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": false,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "torch_dtype": "bfloat16"}"""),
+    ModelPreset("llama-3-70b", "Llama-3-70B", "meta-llama/Meta-Llama-3-70B", 70.6e9, """{
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16"}"""),
+    ModelPreset("smollm2-135m", "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", 135e6, """{
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": true,
+        "torch_dtype": "bfloat16"}"""),
+)
+
+
+def find_model_preset(name: str) -> ModelPreset | None:
+    """By key ("qwen2.5-7b") or hub repo id ("Qwen/Qwen2.5-7B"), in any case."""
+    key = name.lower()
+    for preset in MODEL_PRESETS:
+        if key in (preset.key, preset.repo.lower(), preset.name.lower()):
+            return preset
+    return None

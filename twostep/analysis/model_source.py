@@ -1,0 +1,112 @@
+"""Where a model's shape comes from: a preset name, a HF folder or config.json, or a GGUF file.
+
+Analysis needs only the config and how many bytes a stored weight takes, so nothing here reads a
+weight: a GGUF file's header and tensor table are enough.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from twostep.analysis.model_presets import MODEL_PRESETS, find_model_preset
+from twostep.analysis.number_formats import NumberFormat, find_format
+
+# GGUF architecture names whose metadata keys map one to one onto a HF config of these classes.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
+_GGUF_FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    name: str
+    hf_config: dict
+    stored_format: NumberFormat     # what --dtype auto means for this model
+
+
+def load_model_source(model: str) -> ModelSource:
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model!r} is a folder without config.json")
+        return _config_json_source(path / "config.json")
+    if path.is_file():
+        return _gguf_source(path) if path.suffix == ".gguf" else _config_json_source(path)
+    preset = find_model_preset(model)
+    if preset is not None:
+        return source_from_hf_config(preset.hf_config(), preset.name)
+    if path.suffix in (".gguf", ".json") or model.startswith((".", "/")):   # meant as a path
+        raise ValueError(f"{model!r} does not exist")
+    names = ", ".join(p.key for p in MODEL_PRESETS)
+    raise ValueError(f"{model!r} is not a model folder, config.json, .gguf file or preset name "
+                     f"(presets: {names})")
+
+
+def _config_json_source(path: Path) -> ModelSource:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return source_from_hf_config(config, path.parent.name if path.name == "config.json" else path.stem)
+
+
+def source_from_hf_config(config: dict, name: str) -> ModelSource:
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; checkpoints without either are nearly all
+    # published in bf16 nowadays.
+    stored = find_format(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return ModelSource(name, config, stored)
+
+
+def _gguf_source(path: Path) -> ModelSource:
+    import gguf
+
+    reader = gguf.GGUFReader(path)   # memory-maps the file; tensor data is never touched here
+    # Header values only: the tokenizer's arrays are large and of no use to the analysis.
+    meta = {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.")}
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported for analysis; "
+                         f"supported: {', '.join(_GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    try:
+        config = _gguf_hf_config(meta, arch, tensors)
+    except KeyError as e:
+        raise ValueError(f"{path}: GGUF file lacks {e.args[0]!r}") from None
+    return ModelSource(path.stem, config, _gguf_stored_format(reader))
+
+
+def _gguf_hf_config(meta: dict, arch: str, tensors: dict) -> dict:
+    """llama.cpp's metadata keys under their HF config.json names, for the fields analysis reads."""
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    heads = meta[key("attention.head_count")]
+    hidden = meta[key("embedding_length")]
+    return {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": meta[key("feed_forward_length")],
+        "num_hidden_layers": meta[key("block_count")],
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(key("attention.head_count_kv"), heads),
+        "head_dim": meta.get(key("attention.key_length"), hidden // heads),   # llama.cpp's default
+        # ggml lists the fastest-moving dimension first: the embedding's last one is its row count.
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "max_position_embeddings": meta[key("context_length")],
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+
+
+def _gguf_stored_format(reader) -> NumberFormat:
+    """A file of one float type is that type. Otherwise the file's own bytes per weight, block
+    scales included, averaged over all its tensors, named after the type of most of the weights."""
+    elements: dict[str, int] = {}
+    for t in reader.tensors:
+        elements[t.tensor_type.name] = elements.get(t.tensor_type.name, 0) + int(t.n_elements)
+    if len(elements) == 1 and next(iter(elements)) in _GGUF_FLOAT_TYPES:
+        return find_format(_GGUF_FLOAT_TYPES[next(iter(elements))])
+    total_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    main_type = max(elements, key=elements.get)
+    return NumberFormat(f"gguf {main_type}", total_bytes / sum(elements.values()))

@@ -1,0 +1,96 @@
+"""What the roofline needs to know of a model: N (parameters), b (bytes per weight) and k (KV bytes
+per token), all from its config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twostep.analysis.model_source import ModelSource
+from twostep.analysis.number_formats import NumberFormat
+from twostep.models.config import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class ParamCounts:
+    embedding: int
+    lm_head: int        # the output projection's size, also when it is the embedding itself (tied)
+    layers: int         # all decoder layers together
+    final_norm: int
+    tied: bool
+    total: int          # what is stored: a tied head is counted once, inside the embedding
+
+
+@dataclass(slots=True, frozen=True)
+class KVStats:
+    format: str
+    bytes_per_value: int
+    bytes_per_token: int        # k = 2 x layers x kv_heads x head_dim x dtype bytes
+    mha_bytes_per_token: int    # the same if every query head had its own K and V
+    attention: str              # MHA, GQA or MQA
+    saving: float               # mha / k: how many times less KV grouping the heads stores
+
+
+@dataclass(slots=True, frozen=True)
+class ModelStats:
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    params: ParamCounts
+    # N in the formulas: the stored parameter count (the reference text's definition, embeddings
+    # included) unless the caller gives its own, e.g. the text's rounded 7.615e9.
+    num_params: float
+    weight_format: str
+    bytes_per_weight: float     # b
+    weight_bytes: float         # N x b
+    kv: KVStats
+
+
+def model_stats(source: ModelSource, weights: NumberFormat, kv: NumberFormat,
+                num_params: float | None = None) -> ModelStats:
+    cfg = ModelConfig.from_hf(source.hf_config)
+    params = count_params(cfg)
+    n = params.total if num_params is None else num_params
+    if n <= 0:
+        raise ValueError(f"the parameter count must be positive, got {num_params}")
+    return ModelStats(
+        name=source.name, architecture=cfg.architecture, num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
+        params=params, num_params=n, weight_format=weights.name, bytes_per_weight=weights.bytes,
+        weight_bytes=n * weights.bytes, kv=kv_stats(cfg, kv),
+    )
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    embedding = cfg.vocab_size * cfg.hidden_size
+    layers = cfg.num_layers * _layer_params(cfg)
+    stored_head = 0 if cfg.tie_word_embeddings else embedding
+    return ParamCounts(embedding=embedding, lm_head=embedding, layers=layers,
+                       final_norm=cfg.hidden_size, tied=cfg.tie_word_embeddings,
+                       total=embedding + stored_head + layers + cfg.hidden_size)
+
+
+def _layer_params(cfg: ModelConfig) -> int:
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size   # q, k, v in; o out
+    attention += (q + 2 * kv) if cfg.qkv_bias else 0
+    attention += cfg.hidden_size if cfg.o_bias else 0
+    attention += 2 * cfg.head_dim if cfg.qk_norm else 0                # Qwen3's per-head q/k norms
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size                   # SwiGLU: gate, up, down
+    return attention + mlp + 2 * cfg.hidden_size                        # + the two RMSNorms
+
+
+def kv_stats(cfg: ModelConfig, fmt: NumberFormat) -> KVStats:
+    value_bytes = int(fmt.bytes)
+    k = cfg.kv_bytes_per_token(value_bytes)
+    mha = k * cfg.num_heads // cfg.num_kv_heads
+    kind = "MHA" if cfg.num_kv_heads == cfg.num_heads else "MQA" if cfg.num_kv_heads == 1 else "GQA"
+    return KVStats(format=fmt.name, bytes_per_value=value_bytes, bytes_per_token=k,
+                   mha_bytes_per_token=mha, attention=kind,
+                   saving=mha / k)

@@ -1,0 +1,47 @@
+"""Bytes per stored number: the b of the weights and the dtype bytes of the KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class NumberFormat:
+    name: str
+    bytes: float                        # per weight (or per cached K/V value)
+    aliases: tuple[str, ...] = ()
+
+
+WEIGHT_FORMATS = (
+    NumberFormat("fp32", 4.0, ("float32",)),
+    NumberFormat("bf16", 2.0, ("bfloat16",)),
+    NumberFormat("fp16", 2.0, ("float16",)),
+    NumberFormat("fp8", 1.0, ("float8",)),
+    NumberFormat("int8", 1.0),
+    # llama.cpp's block formats add an fp16 scale to every 32 weights: Q8_0 stores a block in 34
+    # bytes, Q4_0 in 18, so their b is a little over 1 and 0.5.
+    NumberFormat("q8_0", 34 / 32),
+    NumberFormat("q4_0", 18 / 32),
+    NumberFormat("int4", 0.5),
+)
+
+# K and V are stored per value, never in blocks with shared scales, in the formats engines offer.
+KV_FORMATS = tuple(f for f in WEIGHT_FORMATS if f.name in ("fp32", "bf16", "fp16", "fp8", "int8"))
+
+
+def find_format(name: str, formats: tuple[NumberFormat, ...] = WEIGHT_FORMATS) -> NumberFormat:
+    key = name.lower()
+    for fmt in formats:
+        if key == fmt.name or key in fmt.aliases:
+            return fmt
+    raise ValueError(f"unknown number format {name!r}: choose one of {', '.join(format_names(formats))}")
+
+
+def format_names(formats: tuple[NumberFormat, ...] = WEIGHT_FORMATS) -> list[str]:
+    return [f.name for f in formats]
+
+
+def default_kv_format(weights: NumberFormat) -> NumberFormat:
+    """Engines keep the KV cache in the type they compute in: the weights' own when they are fp32,
+    bf16 or fp16; bf16 for 8- and 4-bit weights, which are widened to compute."""
+    name = weights.name if weights.name in ("fp32", "bf16", "fp16") else "bf16"
+    return find_format(name, KV_FORMATS)

@@ -1,0 +1,130 @@
+"""The analysis as a short plain-text report, or as JSON for tools."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from twostep.analysis.analyze import Analysis
+from twostep.analysis.model_stats import ModelStats
+from twostep.analysis.roofline import Crossover, PhasePoint
+
+
+def to_json(a: Analysis) -> str:
+    data = dataclasses.asdict(a)
+    data["hardware"]["ridge"] = a.hardware.ridge    # a property, which asdict leaves out
+    return json.dumps(data, indent=2)
+
+
+def format_report(a: Analysis) -> str:
+    hw, c = a.hardware, a.crossover
+    lines = _model_lines(a.model)
+    lines.append(f"{hw.name}: {_rate(hw.peak_flops, 'FLOP/s')}, {_rate(hw.bandwidth, 'B/s')}, "
+                 f"{_size(hw.memory)}; ridge {hw.ridge:.1f} FLOP/byte")
+    lines += ["", "prefill, 1 sequence of S tokens: intensity 2NS/(Nb+kS)"]
+    lines += _phase_table("S", a.prefill, "TTFT >=", lambda p: p.tokens)
+    lines.append(_prefill_flip(c))
+    lines += ["", f"decode, B sequences at context S={c.decode_context:,}: intensity 2NB/(Nb+kSB)"]
+    lines += _phase_table("B", a.decode, "TPOT >=", lambda p: p.batch)
+    lines.append(_decode_flip(c))
+    lines += [""] + _memory_lines(a)
+    return "\n".join(lines)
+
+
+def _model_lines(m: ModelStats) -> list[str]:
+    p, kv = m.params, m.kv
+    head = "tied to the embedding" if p.tied else "untied"
+    given = "" if m.num_params == p.total else f" (given; {_count(p.total)} counted)"
+    return [
+        f"{m.name}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{m.num_heads} query / {m.num_kv_heads} KV heads x {m.head_dim}",
+        f"  N = {_count(m.num_params)} parameters{given}",
+        f"      layers {_count(p.layers)}, embedding {_count(p.embedding)}, "
+        f"lm_head {_count(p.lm_head)} ({head}), final norm {p.final_norm}",
+        f"  b = {m.bytes_per_weight:.4g} bytes/weight ({m.weight_format}): "
+        f"weights {_size(m.weight_bytes)}",
+        f"  k = {kv.bytes_per_token:,} bytes/token = 2 x {m.num_layers} layers x {m.num_kv_heads} "
+        f"KV heads x {m.head_dim} x {kv.bytes_per_value} B ({kv.format})",
+        f"      {kv.attention}: MHA would need {kv.mha_bytes_per_token:,}, {kv.saving:.1f}x as much",
+    ]
+
+
+def _phase_table(key: str, points: tuple[PhasePoint, ...], time_label: str, size) -> list[str]:
+    rows = [
+        [key] + [f"{size(p):,}" for p in points],
+        ["FLOP/byte"] + [_intensity(p.intensity) for p in points],
+        ["bound"] + [p.bound for p in points],
+        [time_label] + [_time(p.time_s) for p in points],
+        ["tokens/s <="] + [f"{p.tokens_per_s:,.0f}" for p in points],
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + row[0].ljust(widths[0]) + "".join(cell.rjust(w + 2) for cell, w in
+                                                     zip(row[1:], widths[1:])) for row in rows]
+
+
+def _prefill_flip(c: Crossover) -> str:
+    if c.prefill_min_prompt_len is None:
+        return (f"  never compute-bound: intensity tends to 2N/k = {c.prefill_intensity_limit:.1f} "
+                f"< ridge {c.ridge:.1f}")
+    return f"  compute-bound from S >= {c.prefill_min_prompt_len:,} tokens"
+
+
+def _decode_flip(c: Crossover) -> str:
+    if c.decode_min_batch is None:
+        return (f"  never compute-bound at this context: intensity tends to 2N/(kS) = "
+                f"{c.decode_intensity_limit:.1f} < ridge {c.ridge:.1f} as B grows")
+    return f"  compute-bound from B >= {c.decode_min_batch:,} sequences"
+
+
+def _memory_lines(a: Analysis) -> list[str]:
+    mem = a.memory
+    need = mem.weight_bytes + mem.kv_bytes
+    lines = [f"memory {_size_gib(mem.budget)}, weights and KV only (activations come on top)",
+             f"  KV cache for {mem.concurrency:,} x {mem.context:,} tokens: {_size_gib(mem.kv_bytes)}; "
+             f"with the weights {_size(need)}: {'fits' if mem.fits else 'does not fit'}"]
+    if mem.kv_budget <= 0:
+        lines.append(f"  the weights alone exceed the memory by {_size(-mem.kv_budget)}")
+        return lines
+    lines += [f"  {_size(mem.kv_budget)} left for KV holds {mem.max_tokens:,} tokens: "
+              f"{mem.concurrency:,} sequence(s) of up to {mem.max_context:,}",
+              f"      (the model's limit is {mem.model_max_context:,}), or "
+              f"{mem.max_concurrency:,} sequences of {mem.context:,}"]
+    return lines
+
+
+def _intensity(x: float) -> str:
+    # As the reference text rounds: ~1.00 for decode, ~1020.1 for prefill.
+    return f"{x:.2f}" if x < 10 else f"{x:,.1f}" if x < 1e5 else f"{x:,.0f}"
+
+
+def _count(n: float) -> str:
+    return f"{n:.4g}" if n < 1e4 else f"{n:.4e}".replace("e+0", "e").replace("e+", "e")
+
+
+def _scaled(value: float, units: tuple[str, ...]) -> tuple[float, str]:
+    """Decimal prefixes, as datasheets use: 80 GB, 3.35 TB/s."""
+    i = 0
+    while value >= 1000 and i < len(units) - 1:
+        value, i = value / 1000, i + 1
+    return value, units[i]
+
+
+def _size(nbytes: float) -> str:
+    value, unit = _scaled(nbytes, ("B", "kB", "MB", "GB", "TB"))
+    return f"{value:.4g} {unit}"
+
+
+def _size_gib(nbytes: float) -> str:
+    return f"{_size(nbytes)} ({nbytes / 2**30:.2f} GiB)"
+
+
+def _rate(per_s: float, unit: str) -> str:
+    value, prefix = _scaled(per_s, ("", "k", "M", "G", "T", "P"))
+    return f"{value:.4g} {prefix}{unit}"
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"

@@ -1,0 +1,113 @@
+"""Arithmetic intensity of prefill and decode, the roofline time they cannot beat, and where each
+phase turns from memory-bound to compute-bound.
+
+Both phases have one shape (the reference text's formulas): x tokens go through the model sharing
+one read of the N weights (N x b bytes), each costs 2N FLOPs and brings c bytes of KV traffic:
+
+    intensity(x) = 2N x / (N b + c x)
+
+prefill: x = S prompt tokens of one sequence, c = k (each writes its K and V);
+decode:  x = B sequences of one token each, c = k S (each reads its context's K and V).
+
+Attention's own FLOPs (~4 x layers x heads x head_dim per token pair) are left out, as the text does;
+leaving FLOPs out keeps the times below lower bounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from twostep.analysis.hardware import Hardware
+from twostep.analysis.model_stats import ModelStats
+
+
+def intensity(n: float, b: float, c: float, x: float) -> float:
+    """FLOP per byte of x tokens sharing one read of the weights, each bringing c bytes of KV."""
+    return 2 * n * x / (n * b + c * x)
+
+
+def prefill_intensity(n: float, b: float, k: float, prompt_len: int) -> float:
+    """2NS / (Nb + kS): grows with S, towards 2N/k."""
+    return intensity(n, b, k, prompt_len)
+
+
+def decode_intensity(n: float, b: float, k: float, context: int, batch: int = 1) -> float:
+    """2NB / (Nb + kSB): at most 2/b for one sequence (~1 FLOP/byte in bf16), towards 2N/(kS) as
+    the batch grows."""
+    return intensity(n, b, k * context, batch)
+
+
+def first_compute_bound(n: float, b: float, c: float, ridge: float) -> int | None:
+    """The smallest whole x with intensity(x) >= ridge, or None if even x -> infinity stays under it.
+
+    Solving 2Nx / (Nb + cx) >= R gives x >= R N b / (2N - R c) when 2N > R c.
+    """
+    if 2 * n <= ridge * c:
+        return None
+    x = max(1, math.ceil(ridge * n * b / (2 * n - ridge * c)))
+    # The closed form is exact in reals; step off float rounding at the boundary.
+    while x > 1 and intensity(n, b, c, x - 1) >= ridge:
+        x -= 1
+    while intensity(n, b, c, x) < ridge:
+        x += 1
+    return x
+
+
+@dataclass(slots=True, frozen=True)
+class PhasePoint:
+    phase: str                  # "prefill" or "decode"
+    tokens: int                 # prefill: prompt length S; decode: context S of each sequence
+    batch: int                  # sequences: 1 for prefill, B for decode
+    flops: float
+    bytes: float
+    intensity: float
+    bound: str                  # "compute" or "memory"
+    attainable_flops: float     # the roof at this intensity: min(peak, intensity x bandwidth)
+    time_s: float               # lower bound: TTFT for prefill, TPOT for decode
+    tokens_per_s: float         # upper bound: prompt tokens/s for prefill, generated tokens/s for decode
+
+
+def prefill_point(m: ModelStats, hw: Hardware, prompt_len: int) -> PhasePoint:
+    flops = 2 * m.num_params * prompt_len
+    nbytes = m.weight_bytes + m.kv.bytes_per_token * prompt_len
+    return _point("prefill", prompt_len, 1, flops, nbytes, hw, new_tokens=prompt_len)
+
+
+def decode_point(m: ModelStats, hw: Hardware, context: int, batch: int) -> PhasePoint:
+    flops = 2 * m.num_params * batch
+    nbytes = m.weight_bytes + m.kv.bytes_per_token * context * batch
+    return _point("decode", context, batch, flops, nbytes, hw, new_tokens=batch)
+
+
+def _point(phase: str, tokens: int, batch: int, flops: float, nbytes: float, hw: Hardware,
+           new_tokens: int) -> PhasePoint:
+    i = flops / nbytes
+    # The roofline time: the math takes at least flops/peak and the traffic at least bytes/bandwidth,
+    # and at best they overlap completely.
+    time_s = max(flops / hw.peak_flops, nbytes / hw.bandwidth)
+    return PhasePoint(phase=phase, tokens=tokens, batch=batch, flops=flops, bytes=nbytes,
+                      intensity=i, bound="compute" if i >= hw.ridge else "memory",
+                      attainable_flops=min(hw.peak_flops, i * hw.bandwidth), time_s=time_s,
+                      tokens_per_s=new_tokens / time_s)
+
+
+@dataclass(slots=True, frozen=True)
+class Crossover:
+    ridge: float                            # the hardware's peak FLOP/s / bandwidth
+    prefill_min_prompt_len: int | None      # prefill is compute-bound from this S on; None: never
+    prefill_intensity_limit: float          # 2N/k, what prefill tends to as S grows
+    decode_context: int
+    decode_min_batch: int | None            # decode at decode_context is compute-bound from this B on
+    decode_intensity_limit: float           # 2N/(kS), what decode tends to as B grows
+
+
+def crossover(m: ModelStats, hw: Hardware, context: int) -> Crossover:
+    n, b, k = m.num_params, m.bytes_per_weight, m.kv.bytes_per_token
+    return Crossover(
+        ridge=hw.ridge,
+        prefill_min_prompt_len=first_compute_bound(n, b, k, hw.ridge),
+        prefill_intensity_limit=2 * n / k,
+        decode_context=context,
+        decode_min_batch=first_compute_bound(n, b, k * context, hw.ridge),
+        decode_intensity_limit=2 * n / (k * context),
+    )
