@@ -254,3 +254,24 @@ def test_cli_help_renders(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["analyze", "--help"])
     assert exit_info.value.code == 0 and "--kv-dtype" in capsys.readouterr().out
+
+
+def test_measure_sets_the_engine_beside_the_bounds(tiny_model_dir, capsys):
+    import json
+
+    from twostep.analysis.hardware import find_hardware
+    from twostep.analysis.measure import measure
+    from twostep.entrypoints.cli import main
+
+    folder = str(tiny_model_dir("llama"))
+    result, points = measure(folder, find_hardware("this"), prompt_lengths=(16, 64), batch_sizes=(1, 4),
+                             decode_tokens=4, reps=1, dtype="float32")
+    assert [(p.phase, p.tokens, p.batch) for p in points] == [
+        ("prefill", 16, 1), ("prefill", 64, 1), ("decode", 18, 1), ("decode", 18, 4)]
+    assert result.model.weight_bytes == result.model.params.total * 4     # fp32, as the engine ran
+    for p in points:
+        assert p.bound_s > 0 and p.measured_s > 0
+        assert p.fraction_of_bound == p.bound_s / p.measured_s
+    assert main(["analyze", folder, "--measure", "--hardware", "this", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {m["phase"] for m in data["measured"]} == {"prefill", "decode"}

@@ -14,7 +14,8 @@ from twostep.analysis.report import format_report, to_json
 
 def add_analyze_args(p: argparse.ArgumentParser) -> None:
     presets = ", ".join(preset.key for preset in MODEL_PRESETS)
-    p.add_argument("model", help=f"preset name ({presets}), HF folder, config.json or .gguf file")
+    p.add_argument("model", help=f"preset name ({presets}), HF folder, config.json, .gguf file, "
+                                 "or 'default' (the engine's default model)")
     p.add_argument("--hardware", default="h100", choices=hardware_names(),
                    help="datasheet figures, or 'this' for this 2-core machine (default: h100)")
     p.add_argument("--flops", type=float, default=None,
@@ -38,15 +39,16 @@ def add_analyze_args(p: argparse.ArgumentParser) -> None:
                    help=f"decode points, comma-separated (default: {_joined(DEFAULT_BATCH_SIZES)})")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a roofline chart (.png or .svg)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    p.add_argument("--measure", action="store_true",
+                   help="also run the engine here (model: a folder or .gguf, or 'default') and print "
+                        "measured TTFT/TPOT beside the bounds of --hardware (use 'this')")
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    hardware = edit_hardware(
-        find_hardware(args.hardware),
-        peak_flops=None if args.flops is None else args.flops * 1e12,
-        bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
-        memory=None if args.memory is None else _memory_bytes(args.memory))
-    result = analyze(args.model, hardware=hardware, dtype=args.dtype, kv_dtype=args.kv_dtype,
+    hardware = _hardware(args)
+    if args.measure:
+        return _run_measure(args, hardware)
+    result = analyze(_model(args.model), hardware=hardware, dtype=args.dtype, kv_dtype=args.kv_dtype,
                      num_params=args.params, context=args.context, concurrency=args.concurrency,
                      prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes)
     if args.plot:    # first: a bad file name should fail before any output
@@ -55,6 +57,40 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.plot and not args.json:     # JSON output stays one parseable document
         print(f"\nroofline chart written to {args.plot}")
     return 0
+
+
+def _run_measure(args: argparse.Namespace, hardware) -> int:
+    import json
+
+    from twostep.analysis.measure import format_measured, measure
+
+    result, points = measure(_model(args.model), hardware)
+    if args.json:
+        print(json.dumps({"analysis": json.loads(to_json(result)), "measured": [
+            {"phase": p.phase, "tokens": p.tokens, "batch": p.batch, "bound_s": p.bound_s,
+             "measured_s": p.measured_s, "fraction_of_bound": p.fraction_of_bound} for p in points]}))
+    else:
+        print(format_report(result))
+        print()
+        print(format_measured(points))
+    return 0
+
+
+def _model(name: str) -> str:
+    """'default' is the engine's packaged default model (SmolLM2-135M-Instruct GGUF)."""
+    if name != "default":
+        return name
+    from twostep.models.loader import default_model_path
+
+    return default_model_path()
+
+
+def _hardware(args: argparse.Namespace):
+    return edit_hardware(
+        find_hardware(args.hardware),
+        peak_flops=None if args.flops is None else args.flops * 1e12,
+        bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
+        memory=None if args.memory is None else _memory_bytes(args.memory))
 
 
 def _memory_bytes(text: str) -> int:
