@@ -143,12 +143,21 @@ def test_max_num_seqs_caps_running(reference):
     assert [done[i].outputs[0].token_ids for i in ids] == expected
 
 
-def test_garbage_in_unwritten_cache_slots_never_leaks(reference):
-    """The cache is allocated uninitialised; padding reads must not let NaN through."""
+def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
+    """The cache is allocated uninitialised: simulate the worst garbage (NaN everywhere);
+    padding reads must not let it through."""
+    import twostep.core.engine as engine_module
+    from twostep.kv.cache_tensors import allocate_kv_cache
+
+    def nan_cache(*args, **kwargs):
+        caches = allocate_kv_cache(*args, **kwargs)
+        for cache in caches:
+            cache.fill_(float("nan"))
+        return caches
+
+    monkeypatch.setattr(engine_module, "allocate_kv_cache", nan_cache)
     folder, prompts, expected = reference
     engine = engine_for(folder, max_num_batched_tokens=64)
-    for cache in engine.runner.kv_caches:
-        cache.fill_(float("nan"))
     outs = run_all(engine, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
 

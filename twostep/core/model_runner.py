@@ -45,6 +45,11 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.sampler = sampler
+        # The cache is allocated uninitialised (fast start, no memory until used). A block is
+        # zeroed the first time it is written, so the positions attention reads as padding
+        # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
+        self._zeroed = torch.zeros(kv_caches[0].shape[1], dtype=torch.bool)
+        self._zero_blocks([0])          # padding entries of block tables point at block 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[StepResult]:
@@ -65,6 +70,15 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden)
 
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        fresh = [b for b in block_ids if not self._zeroed[b]]
+        if not fresh:
+            return
+        index = torch.tensor(fresh, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0)
+        self._zeroed[fresh] = True
+
     def _prepare(self, items: list[ScheduledRequest], kv: KVCacheManager):
         ids: list[int] = []
         pos: list[int] = []
@@ -81,6 +95,7 @@ class ModelRunner:
             qlens.append(s.num_tokens)
             slens.append(end)
             tables.append(block_ids)
+        self._zero_blocks(sorted({sl // bs for sl in slots}))
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         decode_rows = [i for i, q in enumerate(qlens) if q == 1]

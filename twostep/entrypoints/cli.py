@@ -80,6 +80,19 @@ def _analyze_parser(sub) -> None:
     add_analyze_args(sub.add_parser("analyze", help="roofline and memory analysis of a model on a hardware"))
 
 
+def _bench_parser(sub) -> None:
+    from twostep.bench.cli import add_bench_args
+
+    add_bench_args(sub.add_parser("bench", help="benchmark the engine: throughput, latency"),
+                   add_engine_args)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from twostep.bench.cli import run_bench as run
+
+    return run(args, engine_config_from)
+
+
 def run_analyze(args: argparse.Namespace) -> int:
     from twostep.analysis.cli import run_analyze as run
 
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _analyze_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("twostep").setLevel(args.log_level.upper())
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "analyze":
             return run_analyze(args)
+        if args.command == "bench":
+            return run_bench(args)
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,25 +59,25 @@ class ReferenceAttention:
         return out
 
     def _decode(self, q, kv_cache, meta, scale, out) -> None:
+        """One query per sequence: two batched matmuls over the gathered context (cheaper than
+        SDPA's kernels for a single query), scores and softmax in float32. Padding positions
+        hold finite values (see ModelRunner: blocks are zeroed on first use) and are masked."""
         rows = meta.decode_rows
-        starts = [meta.query_start_loc[r] for r in rows]
         lens = [meta.seq_lens[r] for r in rows]
         max_len = max(lens)
         tables = meta.block_tables[rows, : _blocks_for(max_len, meta.block_size)]
         keys, values = _gather(kv_cache, tables, max_len)              # [B, L, Hkv, D]
-        idx = torch.tensor(starts, device=q.device)
-        queries = q[idx].unsqueeze(2)                                  # [B, H, 1, D]
-        mask = None
+        b, kv_heads, dim = len(rows), keys.shape[2], keys.shape[3]
+        idx = torch.tensor([meta.query_start_loc[r] for r in rows], device=q.device)
+        queries = q[idx].float().view(b, kv_heads, -1, dim)           # [B, Hkv, G, D]
+        k = _heads_first(keys, torch.float32)                          # [B, Hkv, L, D]
+        scores = torch.matmul(queries, k.transpose(-1, -2)) * scale    # [B, Hkv, G, L]
         if min(lens) != max_len:
-            positions = torch.arange(max_len, device=q.device)
-            valid = positions[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
-            # Padding reads slots never written (the cache is allocated uninitialised): zero
-            # them, since a masked score still multiplies its value and NaN * 0 is NaN.
-            keep = valid[:, :, None, None]
-            keys, values = keys.where(keep, 0), values.where(keep, 0)
-            mask = valid[:, None, None, :]
-        o = _sdpa(queries, keys, values, mask, scale)                  # [B, H, 1, D]
-        out[idx] = o.squeeze(2).to(out.dtype)
+            valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
+            scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        o = torch.matmul(probs, _heads_first(values, values.dtype))   # [B, Hkv, G, D]
+        out[idx] = o.reshape(b, -1, dim).to(out.dtype)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
         start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]
@@ -101,10 +101,19 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int):
     """Block tables [B, n] -> contiguous keys and values [B, length, Hkv, D]."""
-    blocks = kv_cache[:, tables]                     # [2, B, n, block_size, Hkv, D]
-    two, b, n, bs, h, d = blocks.shape
-    blocks = blocks.reshape(two, b, n * bs, h, d)[:, :, :length]
+    b, n = tables.shape
+    _, _, bs, h, d = kv_cache.shape
+    blocks = torch.index_select(kv_cache, 1, tables.reshape(-1))   # [2, B*n, block_size, Hkv, D]
+    blocks = blocks.view(2, b, n * bs, h, d)[:, :, :length]
     return blocks[0], blocks[1]
+
+
+def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L, H, D] -> contiguous [B, H, L, D] in dtype, in one copy."""
+    b, length, h, d = x.shape
+    out = torch.empty((b, h, length, d), dtype=dtype, device=x.device)
+    out.copy_(x.permute(0, 2, 1, 3))
+    return out
 
 
 def _sdpa(q, keys, values, mask, scale, causal: bool = False) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""`twostep bench throughput|latency` arguments and reports."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from twostep.bench import workloads
+
+
+def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    t = sub.add_parser("throughput", help="offline throughput of a whole workload")
+    t.add_argument("--dataset", choices=["fixed", "random", "nano-vllm"], default="fixed",
+                   help="fixed lengths, random lengths in ranges, or nano-vllm's shared workload")
+    t.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (default: 32; nano-vllm: its 256, or its first N)")
+    t.add_argument("--input-len", type=int, default=128)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--random-input-range", default="100:1024", help="with --dataset random")
+    t.add_argument("--random-output-range", default="100:1024", help="with --dataset random")
+    t.add_argument("--workload-seed", type=int, default=0)
+    t.add_argument("--json", action="store_true")
+    add_engine_args(t)
+    lat = sub.add_parser("latency", help="batch-1 prefill and decode, measured apart")
+    lat.add_argument("--input-lens", default="128,512", help="prompt lengths for prefill")
+    lat.add_argument("--output-len", type=int, default=64)
+    lat.add_argument("--batch-size", type=int, default=1, help="sequences decoding together")
+    lat.add_argument("--reps", type=int, default=3)
+    lat.add_argument("--json", action="store_true")
+    add_engine_args(lat)
+
+
+def run_bench(args: argparse.Namespace, engine_config) -> int:
+    from twostep import LLM
+
+    config = engine_config(args)
+    llm = LLM(**{k: getattr(config, k) for k in config.__slots__})
+    tracer = llm.engine.enable_tracing() if args.trace else None
+    vocab = llm.engine.model_config.vocab_size
+    if args.bench == "throughput":
+        from twostep.bench.offline import run_throughput
+
+        result = run_throughput(llm, _workload(args, vocab)).as_dict()
+    else:
+        from twostep.bench.offline import run_latency
+
+        lens = [int(v) for v in args.input_lens.split(",")]
+        result = run_latency(llm, lens, args.output_len, args.batch_size, args.reps, vocab).as_dict()
+    print(json.dumps(result) if args.json else _report(args.bench, result))
+    if tracer is not None:
+        tracer.write(args.trace)
+    return 0
+
+
+def _workload(args: argparse.Namespace, vocab: int) -> list[workloads.BenchRequest]:
+    if args.dataset == "nano-vllm":
+        return workloads.nano_vllm(vocab, args.num_prompts)
+    n = args.num_prompts or 32
+    if args.dataset == "random":
+        return workloads.uniform(n, workloads.parse_range(args.random_input_range),
+                                 workloads.parse_range(args.random_output_range), vocab, args.workload_seed)
+    return workloads.fixed(n, args.input_len, args.output_len, vocab, args.workload_seed)
+
+
+def _report(kind: str, r: dict) -> str:
+    if kind == "throughput":
+        return (f"{r['num_requests']} requests in {r['elapsed_s']:.2f} s: "
+                f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
+                f"{r['total_tokens_per_s']:.1f} total tokens/s\n"
+                f"  prompt tokens {r['prompt_tokens']}, output tokens {r['output_tokens']}, "
+                f"mean TTFT {r['mean_ttft_ms']:.0f} ms, mean TPOT {r['mean_tpot_ms']:.1f} ms, "
+                f"preemptions {r['num_preemptions']}")
+    lines = ["prefill (batch 1):"]
+    for p in r["prefill"]:
+        lines.append(f"  {p['input_len']:>6} tokens: TTFT {p['median_ttft_ms']:.1f} ms, "
+                     f"{p['prefill_tokens_per_s']:.0f} tokens/s")
+    d = r["decode"]
+    lines.append(f"decode (batch {d['batch_size']}, {d['output_len']} tokens): TPOT {d['median_tpot_ms']:.1f} ms "
+                 f"(p99 ITL {d['p99_itl_ms']:.1f} ms), {d['decode_tokens_per_s']:.1f} tokens/s")
+    return "\n".join(lines)

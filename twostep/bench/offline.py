@@ -1,0 +1,91 @@
+"""`twostep bench throughput` and `twostep bench latency`: the engine alone, no HTTP.
+
+throughput: every request of a workload submitted at once, continuous batching does the rest;
+reports requests/s, output tokens/s and total tokens/s (like `vllm bench throughput`).
+latency: the two phases apart: batch-1 prefill tokens/s per prompt length (from TTFT), and
+decode TPOT at a batch size.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from twostep.bench.stats import mean, percentile
+from twostep.bench.workloads import BenchRequest
+from twostep.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+    num_preemptions: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> ThroughputResult:
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    before = llm.get_stats()["num_preemptions"]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    n_in = sum(len(r.prompt_token_ids) for r in requests)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return ThroughputResult(
+        num_requests=len(requests), elapsed_s=elapsed, prompt_tokens=n_in, output_tokens=n_out,
+        requests_per_s=len(requests) / elapsed, output_tokens_per_s=n_out / elapsed,
+        total_tokens_per_s=(n_in + n_out) / elapsed,
+        mean_ttft_ms=mean([o.metrics.ttft * 1e3 for o in outs]),
+        mean_tpot_ms=mean([o.metrics.tpot * 1e3 for o in outs if o.metrics.tpot is not None]),
+        num_preemptions=llm.get_stats()["num_preemptions"] - before)
+
+
+@dataclass(slots=True)
+class LatencyResult:
+    prefill: list[dict]    # per prompt length: median TTFT and prefill tokens/s
+    decode: dict           # batch size, median / p99 TPOT, decode tokens/s
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, reps: int,
+                vocab_size: int) -> LatencyResult:
+    from twostep.bench.workloads import fixed
+
+    prefill = []
+    for n in input_lens:
+        ttfts = []
+        for rep in range(reps):
+            req = fixed(1, n, 1, vocab_size, seed=rep)[0]
+            out = llm.generate([{"prompt_token_ids": req.prompt_token_ids}],
+                               SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+            ttfts.append(out.metrics.ttft)
+        med = statistics.median(ttfts)
+        prefill.append({"input_len": n, "median_ttft_ms": med * 1e3, "prefill_tokens_per_s": n / med})
+    itls: list[float] = []
+    tpots: list[float] = []
+    for rep in range(reps):
+        reqs = fixed(batch_size, 16, output_len, vocab_size, seed=100 + rep)
+        outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
+                            SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+                            use_tqdm=False)
+        for o in outs:
+            itls.extend(o.metrics.inter_token_latencies)
+            tpots.append(o.metrics.tpot)
+    med_tpot = statistics.median(tpots)
+    decode = {"batch_size": batch_size, "output_len": output_len, "median_tpot_ms": med_tpot * 1e3,
+              "p99_itl_ms": percentile(itls, 99) * 1e3,
+              "decode_tokens_per_s": batch_size / med_tpot}
+    return LatencyResult(prefill, decode)

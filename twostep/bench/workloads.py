@@ -1,0 +1,55 @@
+"""Seeded synthetic workloads: token-id prompts and output lengths, reproducible run to run.
+
+Performance does not depend on token values, so prompts are random ids; every request runs
+with ignore_eos so its output length is exactly the one drawn.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# nano-vllm's and mini-sglang's shared offline workload: 256 requests, input and output lengths
+# uniform in 100..1024, seed 0 (scale it down with num_prompts on a small CPU).
+NANO_VLLM = dict(num_prompts=256, input_range=(100, 1024), output_range=(100, 1024), seed=0)
+
+
+@dataclass(slots=True, frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def fixed(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+          seed: int = 0) -> list[BenchRequest]:
+    return uniform(num_prompts, (input_len, input_len), (output_len, output_len), vocab_size, seed)
+
+
+def uniform(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int],
+            vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Lengths uniform in the inclusive ranges; the same seed gives the same requests."""
+    for name, (lo, hi) in (("input", input_range), ("output", output_range)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} range must satisfy 1 <= low <= high, got {lo}..{hi}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(*input_range)
+        n_out = rng.randint(*output_range)
+        out.append(BenchRequest([rng.randrange(vocab_size) for _ in range(n_in)], n_out))
+    return out
+
+
+def nano_vllm(vocab_size: int, num_prompts: int | None = None) -> list[BenchRequest]:
+    """The shared workload; num_prompts keeps its first requests (the same ones at any scale)."""
+    full = uniform(NANO_VLLM["num_prompts"], NANO_VLLM["input_range"], NANO_VLLM["output_range"],
+                   vocab_size, NANO_VLLM["seed"])
+    return full[:num_prompts] if num_prompts else full
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'100:1024' -> (100, 1024)."""
+    try:
+        lo, hi = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a range like 100:1024") from None
+    return lo, hi
