@@ -63,3 +63,20 @@ def test_bench_commands_run(tiny_model_dir, capsys, tmp_path):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [p["input_len"] for p in r["prefill"]] == [8, 32]
     assert r["decode"]["decode_tokens_per_s"] > 0
+
+
+def test_ceilings_measure_and_bound_a_model():
+    from twostep.bench.ceilings import (Ceilings, format_ceilings, gemv_bandwidth, matmul_flops,
+                                        model_bounds, read_bandwidth)
+    import torch
+
+    assert read_bandwidth(nbytes=1 << 24, reps=3) > 0
+    assert matmul_flops(torch.bfloat16, n=256, reps=2) > 0
+    assert gemv_bandwidth(rows=512, cols=512, reps=3) > 0
+    c = Ceilings(threads=2, read_bandwidth_gbs=50.0, matmul_gflops={"bfloat16": 800.0},
+                 gemv_bandwidth_gbs=25.0)
+    b = model_bounds(c, num_params=1e8, weight_bytes=2e8, dtype="bfloat16")
+    assert b["decode_batch1_tokens_per_s"] == 250.0           # 50 GB/s / 0.2 GB per token
+    assert b["decode_batch1_tokens_per_s_at_gemv_rate"] == 125.0
+    assert b["prefill_tokens_per_s"] == 4000.0                # 800 GFLOP/s / 2e8 FLOP per token
+    assert "decode batch 1" in format_ceilings(c, b, "m")
