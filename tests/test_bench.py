@@ -80,3 +80,10 @@ def test_ceilings_measure_and_bound_a_model():
     assert b["decode_batch1_tokens_per_s_at_gemv_rate"] == 125.0
     assert b["prefill_tokens_per_s"] == 4000.0                # 800 GFLOP/s / 2e8 FLOP per token
     assert "decode batch 1" in format_ceilings(c, b, "m")
+
+
+@pytest.mark.slow
+def test_ceilings_command_bounds_a_model(tiny_model_dir, capsys):
+    assert main(["bench", "ceilings", "--model", str(tiny_model_dir("llama")), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["ceilings"]["read_bandwidth_gbs"] > 0 and r["bounds"]["prefill_tokens_per_s"] > 0

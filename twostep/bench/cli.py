@@ -28,9 +28,23 @@ def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
     lat.add_argument("--reps", type=int, default=3)
     lat.add_argument("--json", action="store_true")
     add_engine_args(lat)
+    from twostep.bench.serve import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="online benchmark of a running OpenAI-compatible server"))
+    c = sub.add_parser("ceilings", help="this machine's bandwidth and matmul FLOP/s, and a model's bounds")
+    c.add_argument("--model", default=None,
+                   help="bound this model too: preset, folder, config.json, .gguf, or 'default'")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    c.add_argument("--json", action="store_true")
 
 
 def run_bench(args: argparse.Namespace, engine_config) -> int:
+    if args.bench == "ceilings":   # the machine, not the engine: no model is loaded here
+        return _run_ceilings(args)
+    if args.bench == "serve":   # a client of a running server: no model is loaded here
+        from twostep.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     from twostep import LLM
 
     config = engine_config(args)
@@ -78,3 +92,23 @@ def _report(kind: str, r: dict) -> str:
     lines.append(f"decode (batch {d['batch_size']}, {d['output_len']} tokens): TPOT {d['median_tpot_ms']:.1f} ms "
                  f"(p99 ITL {d['p99_itl_ms']:.1f} ms), {d['decode_tokens_per_s']:.1f} tokens/s")
     return "\n".join(lines)
+
+
+def _run_ceilings(args: argparse.Namespace) -> int:
+    from twostep.bench.ceilings import format_ceilings, measure_ceilings, model_bounds
+
+    c = measure_ceilings()
+    bounds = None
+    if args.model:
+        from twostep.analysis.analyze import analyze
+        from twostep.models.loader import default_model_path
+
+        name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+        path = default_model_path() if args.model == "default" else args.model
+        model = analyze(path, hardware="this", dtype=name, kv_dtype=name).model
+        bounds = model_bounds(c, model.num_params, model.weight_bytes, args.dtype)
+    if args.json:
+        print(json.dumps({"ceilings": c.as_dict(), "bounds": bounds}))
+    else:
+        print(format_ceilings(c, bounds, args.model))
+    return 0
