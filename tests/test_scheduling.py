@@ -152,7 +152,7 @@ def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
     def nan_cache(*args, **kwargs):
         caches = allocate_kv_cache(*args, **kwargs)
         for cache in caches:
-            cache.fill_(float("nan"))
+            cache.values.fill_(float("nan"))
         return caches
 
     monkeypatch.setattr(engine_module, "allocate_kv_cache", nan_cache)

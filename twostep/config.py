@@ -21,6 +21,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.25     # of free memory, when kv_cache_memory is unset
     num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
     enable_prefix_caching: bool = True     # reuse KV blocks of shared prompt prefixes
+    kv_cache_dtype: str = "auto"           # auto (= model dtype) | bfloat16 | float16 | float32 | int8 | fp8_e4m3 | fp8_e5m2
     attention_backend: str = "reference"
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     seed: int = 0                          # for requests without their own seed
@@ -37,6 +38,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        from twostep.layers.kv_storage import kv_format
+
+        kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
 

@@ -22,6 +22,7 @@ from twostep.core.trace import StepTracer
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import get_attention_backend
+from twostep.layers.kv_storage import kv_format
 from twostep.layers.linear import can_prepack, prepack_linears
 from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
 from twostep.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -69,7 +70,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         kv_caches = allocate_kv_cache(self.kv_plan, self.model_config.num_layers,
                                       self.model_config.num_kv_heads, self.model_config.head_dim,
-                                      self.dtype, self.device)
+                                      self.dtype, self.device, self.kv_format)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.runner = ModelRunner(self.model, kv_caches, config.block_size,
                                   get_attention_backend(config.attention_backend), self.device, sampler)
@@ -89,11 +90,15 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs))
 
     def _plan_kv(self) -> KVCachePlan:
-        c = self.config
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return plan_kv_cache(self.model_config.kv_bytes_per_token(dtype_bytes), c.block_size,
-                             self.device, c.kv_cache_memory, c.kv_cache_memory_fraction,
-                             c.max_num_seqs * self.max_model_len, c.num_kv_blocks)
+        """The pool sizes itself in bytes: an 8-bit format gets about twice bf16's blocks."""
+        c, m = self.config, self.model_config
+        self.kv_format = kv_format(c.kv_cache_dtype)
+        per_token = self.kv_format.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        plan = plan_kv_cache(per_token, c.block_size, self.device, c.kv_cache_memory,
+                             c.kv_cache_memory_fraction, c.max_num_seqs * self.max_model_len,
+                             c.num_kv_blocks)
+        name = self.kv_format.name if self.kv_format.storage else str(self.dtype).removeprefix("torch.")
+        return dataclasses.replace(plan, kv_dtype=name, scaled=self.kv_format.quantized)
 
     # ---- public API -------------------------------------------------------------------
 

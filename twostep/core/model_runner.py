@@ -15,6 +15,7 @@ from twostep.core.sampler import Sampler, SamplingRow, prompt_logprobs
 from twostep.core.scheduler import ScheduledRequest, SchedulerOutput
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import AttentionBackend, AttentionMetadata
+from twostep.layers.kv_storage import KVLayerCache
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.outputs import PositionLogprobs
 
@@ -37,7 +38,7 @@ class _LogitRows:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVLayerCache], block_size: int,
                  backend: AttentionBackend, device: torch.device, sampler: Sampler) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -48,7 +49,7 @@ class ModelRunner:
         # The cache is allocated uninitialised (fast start, no memory until used). A block is
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
-        self._zeroed = torch.zeros(kv_caches[0].shape[1], dtype=torch.bool)
+        self._zeroed = torch.zeros(kv_caches[0].num_blocks, dtype=torch.bool)
         self._zero_blocks([0])          # padding entries of block tables point at block 0
 
     @torch.inference_mode()
@@ -76,7 +77,7 @@ class ModelRunner:
             return
         index = torch.tensor(fresh, device=self.device)
         for cache in self.kv_caches:
-            cache.index_fill_(1, index, 0)
+            cache.zero_blocks(index)
         self._zeroed[fresh] = True
 
     def _prepare(self, items: list[ScheduledRequest], kv: KVCacheManager):

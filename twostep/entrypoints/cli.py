@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto = the model's dtype; 8-bit formats hold ~2x the tokens")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="the most logprobs / prompt_logprobs one request may ask for")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -38,6 +41,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.num_threads,
     )
 

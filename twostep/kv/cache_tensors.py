@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from twostep.layers.kv_storage import KV_FORMATS, SCALE_DTYPE, KVFormat, KVLayerCache
+
 logger = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6,
@@ -30,6 +32,8 @@ class KVCachePlan:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    kv_dtype: str = "auto"
+    scaled: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +44,9 @@ class KVCachePlan:
         return self.num_tokens * self.bytes_per_token
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+        return (f"KV cache ({self.kv_dtype}): {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token "
-                f"(2 x layers x kv_heads x head_dim x dtype bytes), "
+                f"(2 x layers x kv_heads x (head_dim x dtype bytes{' + scale' if self.scaled else ''})), "
                 f"{self.total_bytes / 2**20:.1f} MiB")
 
 
@@ -78,9 +82,14 @@ def plan_kv_cache(bytes_per_token: int, block_size: int, device: torch.device,
 
 
 def allocate_kv_cache(plan: KVCachePlan, num_layers: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+                      dtype: torch.dtype, device: torch.device,
+                      fmt: KVFormat = KV_FORMATS["auto"]) -> list[KVLayerCache]:
     """Uninitialised on purpose: zeroing gigabytes costs seconds at start (5.5 s for 5.7 GiB on
-    this CPU) and, on Linux, empty pages cost no memory until a block is first written.
-    Attention never lets an unwritten slot reach its output (see layers/attention.py)."""
-    shape = (2, plan.num_blocks, plan.block_size, num_kv_heads, head_dim)
-    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    this CPU) and, on Linux, empty pages cost no memory until a block is first written. The
+    model runner zeroes each block on its first use (see ModelRunner)."""
+    shape = (2, plan.num_blocks, plan.block_size, num_kv_heads)
+    storage = fmt.storage or dtype
+    return [KVLayerCache(torch.empty((*shape, head_dim), dtype=storage, device=device),
+                         torch.empty(shape, dtype=SCALE_DTYPE, device=device) if fmt.quantized else None,
+                         fmt)
+            for _ in range(num_layers)]

@@ -14,6 +14,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from twostep.layers.kv_storage import KVLayerCache, dequantize, quantize
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -32,16 +34,25 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> [T, H, D]."""
+                kv_cache: KVLayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache: one layer's KVLayerCache -> [T, H, D]."""
         ...
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    num_blocks, block_size, heads, dim = kv_cache.shape[1:]
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+def write_kv(cache: KVLayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new tokens' K and V at their slots (quantised first for 8-bit formats)."""
+    num_blocks, block_size, heads, dim = cache.values.shape[1:]
+    flat = cache.values.view(2, num_blocks * block_size, heads, dim)
+    if cache.scales is None:
+        flat[0].index_copy_(0, slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        return
+    raw = cache.raw_values.view(2, num_blocks * block_size, heads, dim)
+    scales = cache.scales.view(2, num_blocks * block_size, heads)
+    for i, x in enumerate((k, v)):
+        q, scale = quantize(x, cache.fmt)
+        raw[i].index_copy_(0, slots, q.view(raw.dtype))
+        scales[i].index_copy_(0, slots, scale)
 
 
 class ReferenceAttention:
@@ -49,7 +60,7 @@ class ReferenceAttention:
     each prefill chunk gets its own call with a causal mask offset by its cached prefix."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: KVLayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_rows:
@@ -66,7 +77,7 @@ class ReferenceAttention:
         lens = [meta.seq_lens[r] for r in rows]
         max_len = max(lens)
         tables = meta.block_tables[rows, : _blocks_for(max_len, meta.block_size)]
-        keys, values = _gather(kv_cache, tables, max_len)              # [B, L, Hkv, D]
+        keys, values = _gather(kv_cache, tables, max_len, q.dtype)     # [B, L, Hkv, D]
         b, kv_heads, dim = len(rows), keys.shape[2], keys.shape[3]
         idx = torch.tensor([meta.query_start_loc[r] for r in rows], device=q.device)
         queries = q[idx].float().view(b, kv_heads, -1, dim)           # [B, Hkv, G, D]
@@ -82,12 +93,15 @@ class ReferenceAttention:
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
         start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]
         queries = q[start:start + qlen].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
-        if slen == qlen:  # nothing cached before this chunk: attend to its own K/V
+        # Nothing cached before this chunk: attend to its own K/V. With 8-bit KV, read them back
+        # from the cache instead, so every query sees the same (quantised) K/V whatever the
+        # chunking, prefix-cache hits or preemptions: outputs stay independent of scheduling.
+        if slen == qlen and kv_cache.scales is None:
             keys, values = k[start:start + qlen][None], v[start:start + qlen][None]
             mask = None
         else:
             table = meta.block_tables[row: row + 1, : _blocks_for(slen, meta.block_size)]
-            keys, values = _gather(kv_cache, table, slen)
+            keys, values = _gather(kv_cache, table, slen, q.dtype)
             # query i sits at position (slen - qlen + i) and sees keys at positions <= that
             qpos = torch.arange(slen - qlen, slen, device=q.device)
             mask = (torch.arange(slen, device=q.device)[None, :] <= qpos[:, None])[None, None]
@@ -99,12 +113,15 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor, length: int):
-    """Block tables [B, n] -> contiguous keys and values [B, length, Hkv, D]."""
+def _gather(cache: KVLayerCache, tables: torch.Tensor, length: int, dtype: torch.dtype):
+    """Block tables [B, n] -> contiguous keys and values [B, length, Hkv, D] in dtype."""
     b, n = tables.shape
-    _, _, bs, h, d = kv_cache.shape
-    blocks = torch.index_select(kv_cache, 1, tables.reshape(-1))   # [2, B*n, block_size, Hkv, D]
-    blocks = blocks.view(2, b, n * bs, h, d)[:, :, :length]
+    _, _, bs, h, d = cache.values.shape
+    index = tables.reshape(-1)
+    blocks = torch.index_select(cache.values, 1, index).view(2, b, n * bs, h, d)[:, :, :length]
+    if cache.scales is not None:
+        scales = torch.index_select(cache.scales, 1, index).view(2, b, n * bs, h)[:, :, :length]
+        blocks = dequantize(blocks, scales, dtype)
     return blocks[0], blocks[1]
 
 
