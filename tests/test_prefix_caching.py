@@ -236,3 +236,20 @@ def test_cli_flag_turns_caching_off(folder, capsys):
     rc = main(["generate", "--model", str(folder), "--no-enable-prefix-caching", "--max-tokens", "2",
                "--kv-cache-memory", "2MiB", "hello"])
     assert rc == 0 and "(0 cached)" in capsys.readouterr().err
+
+
+def test_lookups_of_waiting_requests_are_counted_once(folder):
+    """A request that waits for blocks is looked up again each step; only the lookup that
+    admits it counts (the audit found 1,109 queried tokens for 80 prompt tokens)."""
+    # The first request holds 5 of the 6 blocks (70 + 8 tokens) and never needs a sixth; the
+    # second (40 tokens, 3 blocks) waits, looked up every step, until the first finishes.
+    engine = engine_for(folder, num_kv_blocks=6, max_num_batched_tokens=128)
+    prompts = [tokens(70, 50), tokens(40, 51)]
+    outs = run(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert sum(o.metrics.num_preemptions for o in outs) == 0
+    assert outs[1].metrics.first_scheduled_time >= outs[0].metrics.finished_time, "the second waited"
+    stats = engine.get_stats()
+    assert stats["prefix_cache_queries"] == 110 and stats["prefix_cache_hits"] == 0
+    again = run(engine, [prompts[0]])[0]
+    assert engine.get_stats()["prefix_cache_queries"] - stats["prefix_cache_queries"] == 70
+    assert engine.get_stats()["prefix_cache_hits"] - stats["prefix_cache_hits"] == again.num_cached_tokens

@@ -110,6 +110,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, num_hit, n, hits):
                 break
             request.num_computed_tokens = num_hit
+            if not request.wants_prompt_logprobs:
+                self.kv.record_lookup(request.num_tokens, num_hit)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_hit
             self.waiting.popleft()

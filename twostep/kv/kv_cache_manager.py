@@ -48,7 +48,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
                             extra: Hashable = None) -> tuple[list[KVBlock], int]:
         """Leading cached blocks of these tokens and how many tokens they cover. Takes no
-        reference: pass them to allocate_slots, which does."""
+        reference (pass them to allocate_slots, which does) and counts nothing (record_lookup)."""
         if not self.enable_prefix_caching:
             return [], 0
         keys = chain_keys(token_ids, self.block_size, self._keys.get(request_id, []), extra)
@@ -61,10 +61,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit = len(hits) * self.block_size
-        self.prefix_stats.queries += len(token_ids)
-        self.prefix_stats.hits += num_hit
-        return hits, num_hit
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one prefix-cache lookup that was used (the request got its blocks); lookups of
+        a request that must keep waiting are repeated later and not counted twice."""
+        if self.enable_prefix_caching:
+            self.prefix_stats.queries += num_tokens
+            self.prefix_stats.hits += num_hit
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                        computed_blocks: Sequence[KVBlock] = ()) -> bool:
