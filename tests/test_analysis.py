@@ -84,7 +84,9 @@ def test_gqa_saving_against_mha():
 
 def test_dtypes_set_b_and_k():
     m = analyze("qwen2.5-7b", dtype="q4_0", kv_dtype="fp8").model
-    assert m.bytes_per_weight == 18 / 32 and m.kv.bytes_per_token == 57_344 // 2
+    # 8-bit KV: one byte per value plus twostep's 2-byte scale per token and KV head
+    assert m.bytes_per_weight == 18 / 32 and m.kv.bytes_per_token == 57_344 // 2 + 2 * 28 * 4 * 2
+    assert analyze("qwen2.5-7b", kv_dtype="fp8_e4m3").model.kv.bytes_per_token == 57_344 // 2 + 448
     assert analyze("qwen2.5-7b", dtype="fp32").model.kv.bytes_per_token == 2 * 57_344
     assert analyze("qwen2.5-7b", dtype="int8").model.kv.format == "bf16"   # widened to compute
     with pytest.raises(ValueError, match="unknown number format"):

@@ -86,9 +86,14 @@ def _layer_params(cfg: ModelConfig) -> int:
     return attention + mlp + 2 * cfg.hidden_size                        # + the two RMSNorms
 
 
+KV_SCALE_BYTES = 2
+
+
 def kv_stats(cfg: ModelConfig, fmt: NumberFormat) -> KVStats:
     value_bytes = int(fmt.bytes)
     k = cfg.kv_bytes_per_token(value_bytes)
+    if value_bytes == 1:   # twostep's 8-bit KV keeps a 2-byte scale per token and KV head
+        k += 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
     mha = k * cfg.num_heads // cfg.num_kv_heads
     kind = "MHA" if cfg.num_kv_heads == cfg.num_heads else "MQA" if cfg.num_kv_heads == 1 else "GQA"
     return KVStats(format=fmt.name, bytes_per_value=value_bytes, bytes_per_token=k,

@@ -15,7 +15,7 @@ WEIGHT_FORMATS = (
     NumberFormat("fp32", 4.0, ("float32",)),
     NumberFormat("bf16", 2.0, ("bfloat16",)),
     NumberFormat("fp16", 2.0, ("float16",)),
-    NumberFormat("fp8", 1.0, ("float8",)),
+    NumberFormat("fp8", 1.0, ("float8", "fp8_e4m3", "fp8_e5m2")),
     NumberFormat("int8", 1.0),
     # llama.cpp's block formats add an fp16 scale to every 32 weights: Q8_0 stores a block in 34
     # bytes, Q4_0 in 18, so their b is a little over 1 and 0.5.

@@ -43,7 +43,8 @@ def _model_lines(m: ModelStats) -> list[str]:
         f"  b = {m.bytes_per_weight:.4g} bytes/weight ({m.weight_format}): "
         f"weights {_size(m.weight_bytes)}",
         f"  k = {kv.bytes_per_token:,} bytes/token = 2 x {m.num_layers} layers x {m.num_kv_heads} "
-        f"KV heads x {m.head_dim} x {kv.bytes_per_value} B ({kv.format})",
+        f"KV heads x ({m.head_dim} x {kv.bytes_per_value} B"
+        f"{' + 2 B scale' if kv.bytes_per_value == 1 else ''}) ({kv.format})",
         f"      {kv.attention}: MHA would need {kv.mha_bytes_per_token:,}, {kv.saving:.1f}x as much",
     ]
 

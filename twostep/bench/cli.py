@@ -83,7 +83,7 @@ def _report(kind: str, r: dict) -> str:
                 f"{r['total_tokens_per_s']:.1f} total tokens/s\n"
                 f"  prompt tokens {r['prompt_tokens']}, output tokens {r['output_tokens']}, "
                 f"mean TTFT {r['mean_ttft_ms']:.0f} ms, mean TPOT {r['mean_tpot_ms']:.1f} ms, "
-                f"preemptions {r['num_preemptions']}")
+                f"preemptions {r['num_preemptions']}, prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}")
     lines = ["prefill (batch 1):"]
     for p in r["prefill"]:
         lines.append(f"  {p['input_len']:>6} tokens: TTFT {p['median_ttft_ms']:.1f} ms, "

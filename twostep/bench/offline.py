@@ -28,6 +28,7 @@ class ThroughputResult:
     mean_ttft_ms: float
     mean_tpot_ms: float
     num_preemptions: int
+    prefix_cache_hit_rate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -36,7 +37,7 @@ class ThroughputResult:
 def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> ThroughputResult:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    before = llm.get_stats()["num_preemptions"]
+    before = llm.get_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
@@ -48,7 +49,13 @@ def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> 
         total_tokens_per_s=(n_in + n_out) / elapsed,
         mean_ttft_ms=mean([o.metrics.ttft * 1e3 for o in outs]),
         mean_tpot_ms=mean([o.metrics.tpot * 1e3 for o in outs if o.metrics.tpot is not None]),
-        num_preemptions=llm.get_stats()["num_preemptions"] - before)
+        num_preemptions=llm.get_stats()["num_preemptions"] - before["num_preemptions"],
+        prefix_cache_hit_rate=_hit_rate(before, llm.get_stats()))
+
+
+def _hit_rate(before: dict, after: dict) -> float:
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    return (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if queries else 0.0
 
 
 @dataclass(slots=True)

@@ -98,6 +98,10 @@ class LLMEngine:
                              c.kv_cache_memory_fraction, c.max_num_seqs * self.max_model_len,
                              c.num_kv_blocks)
         name = self.kv_format.name if self.kv_format.storage else str(self.dtype).removeprefix("torch.")
+        if self.kv_format.quantized:
+            plain = kv_format("auto").bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+            logger.info("%s KV: %.2fx the tokens of %s KV in the same memory", name, plain / per_token,
+                        str(self.dtype).removeprefix("torch."))
         return dataclasses.replace(plan, kv_dtype=name, scaled=self.kv_format.quantized)
 
     # ---- public API -------------------------------------------------------------------
