@@ -21,7 +21,7 @@ def test_trace_matches_the_run(tiny_model_dir, tmp_path):
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     for e in events:
-        assert e["ph"] in ("X", "M", "C") and "pid" in e and "name" in e
+        assert e["ph"] in ("X", "M", "C", "i") and "pid" in e and "name" in e
         if e["ph"] == "X":
             assert e["dur"] >= 0 and isinstance(e["ts"], (int, float))
     steps = [e for e in events if e.get("cat") == "step"]
@@ -63,3 +63,20 @@ def test_cli_writes_a_trace(tiny_model_dir, tmp_path, capsys):
                  "--kv-cache-memory", "2MiB", "--trace", str(path), "hello"]) == 0
     events = json.loads(path.read_text())["traceEvents"]
     assert any(e.get("cat") == "step" for e in events)
+
+
+def test_trace_marks_preemptions_and_requests_aborted_while_waiting(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("llama"), num_kv_blocks=8, max_num_batched_tokens=48, max_num_seqs=4)
+    tracer = engine.enable_tracing()
+    prompts = random_prompts([30, 35, 40, 45, 50], seed=22)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+           for p in prompts]
+    engine.abort_request(ids[-1])      # never scheduled
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = tracer.events
+    preemptions = [e for e in events if e["name"] == "preempted"]
+    assert len(preemptions) == engine.scheduler.num_preemptions > 0
+    aborted_row = {e["tid"] for e in events if e["ph"] == "M" and e["args"].get("name") == f"request {ids[-1]}"}
+    spans = [e for e in events if e.get("cat") == "request" and e["ph"] == "X" and e["tid"] in aborted_row]
+    assert [e["name"] for e in spans] == ["queue"] and spans[0]["args"]["finish_reason"] == "abort"

@@ -238,6 +238,9 @@ class LLMEngine:
         step_start = time.monotonic()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
+        if self.tracer is not None:
+            for request in sched.preempted:
+                self.tracer.record_preemption(request.request_id, time.monotonic())
         for request in sched.cannot_fit:
             logger.warning("request %s no longer fits in the whole KV cache; ending it",
                            request.request_id)

@@ -68,10 +68,17 @@ class StepTracer:
         for rid, _, _ in scheduled:
             self._row(rid)
 
+    def record_preemption(self, request_id: str, at: float) -> None:
+        """An instant on the request's row: its blocks were freed; it recomputes when readmitted."""
+        self.events.append({"ph": "i", "s": "t", "name": "preempted", "cat": "request", "pid": _PID,
+                            "tid": self._row(request_id), "ts": self._us(at)})
+
     def record_request(self, request_id: str, m: RequestMetrics, finish_reason: str | None) -> None:
-        """The request's life as spans: queue -> prefill (to its first token) -> decode."""
+        """The request's life as spans: queue -> prefill (to its first token) -> decode. A request
+        aborted before it was scheduled still gets its queue span, up to its end."""
         tid = self._row(request_id)
-        spans = [("queue", m.arrival_time, m.first_scheduled_time),
+        queued_until = m.first_scheduled_time if m.first_scheduled_time is not None else m.finished_time
+        spans = [("queue", m.arrival_time, queued_until),
                  ("prefill", m.first_scheduled_time, m.first_token_time),
                  ("decode", m.first_token_time, m.finished_time)]
         for name, a, b in spans:
