@@ -277,3 +277,14 @@ def test_measure_sets_the_engine_beside_the_bounds(tiny_model_dir, capsys):
     assert main(["analyze", folder, "--measure", "--hardware", "this", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {m["phase"] for m in data["measured"]} == {"prefill", "decode"}
+
+
+@pytest.mark.slow
+def test_measured_hardware(capsys):
+    from twostep.entrypoints.cli import main
+
+    assert main(["analyze", "smollm2-135m", "--hardware", "measured", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert "measured" in json.dumps(data["hardware"])

@@ -16,8 +16,9 @@ def add_analyze_args(p: argparse.ArgumentParser) -> None:
     presets = ", ".join(preset.key for preset in MODEL_PRESETS)
     p.add_argument("model", help=f"preset name ({presets}), HF folder, config.json, .gguf file, "
                                  "or 'default' (the engine's default model)")
-    p.add_argument("--hardware", default="h100", choices=hardware_names(),
-                   help="datasheet figures, or 'this' for this 2-core machine (default: h100)")
+    p.add_argument("--hardware", default="h100", choices=[*hardware_names(), "measured"],
+                   help="datasheet figures, 'this' for this 2-core machine's notes, or 'measured' to "
+                        "measure this machine now with `twostep bench ceilings` (default: h100)")
     p.add_argument("--flops", type=float, default=None,
                    help="peak FLOP/s in TFLOP/s, replacing the preset's (e.g. a measured figure)")
     p.add_argument("--bandwidth", type=float, default=None,
@@ -86,8 +87,9 @@ def _model(name: str) -> str:
 
 
 def _hardware(args: argparse.Namespace):
+    base = _measured_hardware() if args.hardware == "measured" else find_hardware(args.hardware)
     return edit_hardware(
-        find_hardware(args.hardware),
+        base,
         peak_flops=None if args.flops is None else args.flops * 1e12,
         bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
         memory=None if args.memory is None else _memory_bytes(args.memory))
@@ -112,3 +114,17 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _joined(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
+
+
+def _measured_hardware():
+    """This machine as measured now: read bandwidth and bf16 matmul FLOP/s from the ceilings
+    benchmark, memory from /proc/meminfo."""
+    from twostep.analysis.hardware import Hardware
+    from twostep.bench.ceilings import measure_ceilings
+
+    c = measure_ceilings(("bfloat16",))
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return Hardware("measured", f"this machine, measured ({c.threads} threads)",
+                    c.matmul_gflops["bfloat16"] * 1e9, c.read_bandwidth_gbs * 1e9, total,
+                    "twostep bench ceilings, run now")
