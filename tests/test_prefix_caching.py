@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from test_models import engine_for
+from test_scheduling import run_all
 from twostep import SamplingParams
 from twostep.kv.block_hash import BlockKey, block_key, chain_keys
 from twostep.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
@@ -20,21 +21,9 @@ def tokens(n, seed):
     return torch.randint(3, 384, (n,), generator=g).tolist()
 
 
-def drive(engine, check=True):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if check:
-            engine.kv.check_integrity()
-    return done
-
-
 def run(engine, prompts, params=GREEDY):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = drive(engine)
-    return [done[i] for i in ids]
+    """All prompts to completion, block accounting checked after every step."""
+    return run_all(engine, prompts, params)
 
 
 @pytest.fixture(scope="module")

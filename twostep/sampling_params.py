@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5   # below this, sampling is argmax
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -97,7 +99,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The sampler takes the argmax (temperature 0; tinier ones would only overflow)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(value: object) -> bool:

@@ -15,7 +15,7 @@ from twostep.core.detokenizer import IncrementalDetokenizer
 from twostep.core.model_runner import ModelRunner, StepResult
 from twostep.core.parallel_sampling import ParentRequest, child_params
 from twostep.core.request import Request
-from twostep.core.sampler import Sampler
+from twostep.core.sampler import Sampler, make_generator
 from twostep.core.scheduler import Scheduler
 from twostep.core.tokenizer import Tokenizer
 from twostep.core.trace import StepTracer
@@ -154,7 +154,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
             metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids)),
-            generator=self._generator(params.seed),
+            generator=make_generator(params.seed, self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
                                                params.include_stop_str_in_output,
                                                params.skip_special_tokens),
@@ -264,13 +264,8 @@ class LLMEngine:
         return outputs
 
     def _trace_step(self, start: float, sched) -> None:
-        parts = []
-        for s in sched.scheduled:
-            # A decode is one new token past the prompt; prompt chunks and recomputation
-            # after preemption are prefill work.
-            is_decode = s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens
-            parts.append((s.request.request_id, 0 if is_decode else s.num_tokens,
-                          1 if is_decode else 0))
+        parts = [(s.request.request_id, 0 if s.is_decode else s.num_tokens, int(s.is_decode))
+                 for s in sched.scheduled]
         stats = self.kv.prefix_stats
         self.tracer.record_step(start, time.monotonic(), parts, self.kv.pool.num_used_blocks,
                                 stats.hits, self.scheduler.num_preemptions)
@@ -320,17 +315,10 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds "
                              f"{self.kv_plan.num_tokens}; raise --kv-cache-memory")
 
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     def _account(self, sched) -> None:
         st = self.stats
         st.num_steps += 1
-        for s in sched.scheduled:
-            prompt_part = max(0, min(s.start + s.num_tokens, s.request.num_tokens - 1) - s.start)
-            st.num_prefill_tokens += prompt_part if s.num_tokens > 1 else 0
+        st.num_prefill_tokens += sum(s.num_tokens for s in sched.scheduled if not s.is_decode)
         st.num_preemptions = self.scheduler.num_preemptions
         st.peak_blocks_used = max(st.peak_blocks_used, self.kv.pool.num_used_blocks)
 

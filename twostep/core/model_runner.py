@@ -14,7 +14,7 @@ import torch
 from twostep.core.sampler import Sampler, SamplingRow, prompt_logprobs
 from twostep.core.scheduler import ScheduledRequest, SchedulerOutput
 from twostep.kv.kv_cache_manager import KVCacheManager
-from twostep.layers.attention import AttentionBackend, AttentionMetadata
+from twostep.layers.attention import AttentionBackend, AttentionMetadata, DecodeBatch
 from twostep.layers.kv_storage import KVLayerCache
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.outputs import PositionLogprobs
@@ -98,15 +98,15 @@ class ModelRunner:
             tables.append(block_ids)
         self._zero_blocks(sorted({sl // bs for sl in slots}))
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64,
+                             device=self.device)
         decode_rows = [i for i, q in enumerate(qlens) if q == 1]
         meta = AttentionMetadata(
             query_start_loc=starts, query_lens=qlens, seq_lens=slens,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=table.to(self.device), block_size=bs,
-            decode_rows=decode_rows,
+            block_tables=table, block_size=bs,
             prefill_rows=[i for i, q in enumerate(qlens) if q > 1],
-            decode_seq_lens=torch.tensor([slens[i] for i in decode_rows], device=self.device),
+            decode=DecodeBatch.build(decode_rows, starts, slens, table, bs) if decode_rows else None,
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return to_dev(ids), to_dev(pos), meta

@@ -64,7 +64,6 @@ from twostep.outputs import Logprob, PositionLogprobs
 from twostep.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (as vLLM does with its _SAMPLING_EPS).
-GREEDY_TEMPERATURE = 1e-5
 # Slack on the top_p comparison, so exact boundaries are not decided by rounding.
 TOP_P_TOLERANCE = 1e-6
 # prompt_logprobs works through this many positions at a time to bound memory.
@@ -105,7 +104,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def is_greedy(params: SamplingParams) -> bool:
     """Whether the sampler takes the argmax for these params."""
-    return params.temperature < GREEDY_TEMPERATURE
+    return params.greedy
 
 
 def _padded_ids(parts_per_row: list[tuple[list[int], ...]], pad: int, device: torch.device) -> torch.Tensor:

@@ -25,6 +25,12 @@ class ScheduledRequest:
     start: int                       # its num_computed_tokens before the step
 
     @property
+    def is_decode(self) -> bool:
+        """One new token past the prompt; prompt chunks and recomputation after preemption
+        are prefill work."""
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+    @property
     def completes_known_tokens(self) -> bool:
         """After this step every known token is cached, so the step samples its next token."""
         return self.start + self.num_tokens == self.request.num_tokens

@@ -27,9 +27,31 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor       # [T] int64: block_id * block_size + offset for each new token
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     block_size: int
-    decode_rows: list[int]           # sequences with query_len 1 (batched together)
     prefill_rows: list[int]          # sequences with query_len > 1
-    decode_seq_lens: torch.Tensor | None = None   # [len(decode_rows)] on device
+    decode: "DecodeBatch | None" = None  # the sequences with query_len 1, batched together
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """What every layer's decode attention needs, computed once per step (not once per layer)."""
+
+    index: torch.Tensor              # [B] positions of the decode tokens in the flat batch
+    tables: torch.Tensor             # [B, blocks covering max_len]
+    max_len: int
+    mask: torch.Tensor | None        # [B, 1, 1, max_len] valid positions; None when lengths are equal
+
+    @staticmethod
+    def build(rows: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+              block_size: int) -> "DecodeBatch":
+        device = block_tables.device
+        lens = [seq_lens[r] for r in rows]
+        max_len = max(lens)
+        mask = None
+        if min(lens) != max_len:
+            lens_t = torch.tensor(lens, device=device)
+            mask = (torch.arange(max_len, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        return DecodeBatch(torch.tensor([starts[r] for r in rows], device=device),
+                           block_tables[rows, : _blocks_for(max_len, block_size)], max_len, mask)
 
 
 class AttentionBackend(Protocol):
@@ -63,32 +85,26 @@ class ReferenceAttention:
                 kv_cache: KVLayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        if meta.decode_rows:
-            self._decode(q, kv_cache, meta, scale, out)
+        if meta.decode is not None:
+            self._decode(q, kv_cache, meta.decode, scale, out)
         for row in meta.prefill_rows:
             self._prefill(q, k, v, kv_cache, meta, row, scale, out)
         return out
 
-    def _decode(self, q, kv_cache, meta, scale, out) -> None:
+    def _decode(self, q, kv_cache, d: DecodeBatch, scale, out) -> None:
         """One query per sequence: two batched matmuls over the gathered context (cheaper than
         SDPA's kernels for a single query), scores and softmax in float32. Padding positions
         hold finite values (see ModelRunner: blocks are zeroed on first use) and are masked."""
-        rows = meta.decode_rows
-        lens = [meta.seq_lens[r] for r in rows]
-        max_len = max(lens)
-        tables = meta.block_tables[rows, : _blocks_for(max_len, meta.block_size)]
-        keys, values = _gather(kv_cache, tables, max_len, q.dtype)     # [B, L, Hkv, D]
-        b, kv_heads, dim = len(rows), keys.shape[2], keys.shape[3]
-        idx = torch.tensor([meta.query_start_loc[r] for r in rows], device=q.device)
-        queries = q[idx].float().view(b, kv_heads, -1, dim)           # [B, Hkv, G, D]
+        keys, values = _gather(kv_cache, d.tables, d.max_len, q.dtype)  # [B, L, Hkv, D]
+        b, kv_heads, dim = d.index.shape[0], keys.shape[2], keys.shape[3]
+        queries = q[d.index].float().view(b, kv_heads, -1, dim)        # [B, Hkv, G, D]
         k = _heads_first(keys, torch.float32)                          # [B, Hkv, L, D]
         scores = torch.matmul(queries, k.transpose(-1, -2)) * scale    # [B, Hkv, G, L]
-        if min(lens) != max_len:
-            valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
-            scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        if d.mask is not None:
+            scores.masked_fill_(~d.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         o = torch.matmul(probs, _heads_first(values, values.dtype))   # [B, Hkv, G, D]
-        out[idx] = o.reshape(b, -1, dim).to(out.dtype)
+        out[d.index] = o.reshape(b, -1, dim).to(out.dtype)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
         start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -332,8 +333,6 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, batch:
 
 
 def _as_echo_only(c):
-    import dataclasses
-
     return dataclasses.replace(c, token_ids=[], logprobs=[] if c.logprobs is not None else None,
                                delta_text="", delta_token_ids=[],
                                finish_reason="length" if c.finish_reason else None)
