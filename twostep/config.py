@@ -28,6 +28,8 @@ class EngineConfig:
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
     max_n: int = 128                       # the most completions one request may ask for
     num_threads: int | None = None         # torch intra-op threads on CPU
+    # Speculative decoding: a SpeculativeConfig, its dict or JSON text (--speculative-config).
+    speculative_config: object = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -41,6 +43,9 @@ class EngineConfig:
         from twostep.layers.kv_storage import kv_format
 
         kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
+        from twostep.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from twostep.spec_decode.stats import SpecDecodeStats
+
 # One position's logprobs: token id -> (logprob, rank, decoded token).
 @dataclass(slots=True)
 class Logprob:
@@ -29,6 +31,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_kv_blocks: int = 0          # most KV blocks the request held at once
+    spec_decode: SpecDecodeStats | None = None   # drafts and acceptances, with speculation on
 
     @property
     def ttft(self) -> float | None:

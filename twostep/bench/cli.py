@@ -83,15 +83,25 @@ def _report(kind: str, r: dict) -> str:
                 f"{r['total_tokens_per_s']:.1f} total tokens/s\n"
                 f"  prompt tokens {r['prompt_tokens']}, output tokens {r['output_tokens']}, "
                 f"mean TTFT {r['mean_ttft_ms']:.0f} ms, mean TPOT {r['mean_tpot_ms']:.1f} ms, "
-                f"preemptions {r['num_preemptions']}, prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}")
+                f"preemptions {r['num_preemptions']}, prefix-cache hit rate {r['prefix_cache_hit_rate']:.1%}"
+                + _spec_line(r["spec_decode"]))
     lines = ["prefill (batch 1):"]
     for p in r["prefill"]:
         lines.append(f"  {p['input_len']:>6} tokens: TTFT {p['median_ttft_ms']:.1f} ms, "
                      f"{p['prefill_tokens_per_s']:.0f} tokens/s")
     d = r["decode"]
     lines.append(f"decode (batch {d['batch_size']}, {d['output_len']} tokens): TPOT {d['median_tpot_ms']:.1f} ms "
-                 f"(p99 ITL {d['p99_itl_ms']:.1f} ms), {d['decode_tokens_per_s']:.1f} tokens/s")
+                 f"(p99 ITL {d['p99_itl_ms']:.1f} ms), {d['decode_tokens_per_s']:.1f} tokens/s"
+                 + _spec_line(d["spec_decode"]))
     return "\n".join(lines)
+
+
+def _spec_line(spec: dict | None) -> str:
+    if spec is None:
+        return ""
+    return (f"\n  speculative decoding: {spec['num_drafts']} drafts, {spec['num_accepted_tokens']}/"
+            f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.1%}), "
+            f"mean acceptance length {spec['mean_acceptance_length']:.2f}")
 
 
 def _run_ceilings(args: argparse.Namespace) -> int:

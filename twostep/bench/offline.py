@@ -29,6 +29,7 @@ class ThroughputResult:
     mean_tpot_ms: float
     num_preemptions: int
     prefix_cache_hit_rate: float = 0.0
+    spec_decode: dict | None = None      # drafts and acceptance, with speculation on
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,12 +51,24 @@ def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> 
         mean_ttft_ms=mean([o.metrics.ttft * 1e3 for o in outs]),
         mean_tpot_ms=mean([o.metrics.tpot * 1e3 for o in outs if o.metrics.tpot is not None]),
         num_preemptions=llm.get_stats()["num_preemptions"] - before["num_preemptions"],
-        prefix_cache_hit_rate=_hit_rate(before, llm.get_stats()))
+        prefix_cache_hit_rate=_hit_rate(before, llm.get_stats()),
+        spec_decode=spec_delta(before, llm.get_stats()))
 
 
 def _hit_rate(before: dict, after: dict) -> float:
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     return (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if queries else 0.0
+
+
+def spec_delta(before: dict, after: dict) -> dict | None:
+    """Speculative decoding counters over a run (None when speculation is off)."""
+    if "spec_decode_num_drafts" not in after:
+        return None
+    d = {k: after[f"spec_decode_{k}"] - before[f"spec_decode_{k}"]
+         for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
 
 
 @dataclass(slots=True)
@@ -83,6 +96,7 @@ def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, re
         prefill.append({"input_len": n, "median_ttft_ms": med * 1e3, "prefill_tokens_per_s": n / med})
     itls: list[float] = []
     tpots: list[float] = []
+    before = llm.get_stats()
     for rep in range(reps):
         reqs = fixed(batch_size, 16, output_len, vocab_size, seed=100 + rep)
         outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
@@ -94,5 +108,6 @@ def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, re
     med_tpot = statistics.median(tpots)
     decode = {"batch_size": batch_size, "output_len": output_len, "median_tpot_ms": med_tpot * 1e3,
               "p99_itl_ms": percentile(itls, 99) * 1e3,
-              "decode_tokens_per_s": batch_size / med_tpot}
+              "decode_tokens_per_s": batch_size / med_tpot,
+              "spec_decode": spec_delta(before, llm.get_stats())}
     return LatencyResult(prefill, decode)

@@ -27,6 +27,9 @@ from twostep.layers.linear import can_prepack, prepack_linears
 from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
 from twostep.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from twostep.sampling_params import SamplingParams
+from twostep.spec_decode.draft_model import TargetShape
+from twostep.spec_decode.proposer import make_proposer
+from twostep.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, config.block_size,
                                   get_attention_backend(config.attention_backend), self.device, sampler)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec_config = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        self.proposer = None if self.spec_config is None else make_proposer(
+            self.spec_config, TargetShape(self.dtype, self.device, self.model_config.vocab_size,
+                                          self.max_model_len, config.block_size, self.kv_plan.num_blocks,
+                                          config.attention_backend, config.cpu_prepack_weights),
+            sampler)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []
@@ -153,7 +163,8 @@ class LLMEngine:
         params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-            metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids)),
+            metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids),
+                                   spec_decode=SpecDecodeStats() if self.proposer else None),
             generator=make_generator(params.seed, self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop,
                                                params.include_stop_str_in_output,
@@ -204,7 +215,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": pc.hit_rate,
             "prefix_cache_blocks": self.kv.pool.num_cached_blocks,
             "prefix_cache_evictions": self.kv.pool.num_evictions,
-        }
+        } | ({f"spec_decode_{k}": v for k, v in self.spec_stats.as_dict().items()}
+             if self.proposer else {})
 
     def enable_tracing(self) -> StepTracer:
         """Record every step and request from now on (Chrome trace-event JSON)."""
@@ -238,9 +250,11 @@ class LLMEngine:
         step_start = time.monotonic()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
-        if self.tracer is not None:
-            for request in sched.preempted:
+        for request in sched.preempted:
+            if self.tracer is not None:
                 self.tracer.record_preemption(request.request_id, time.monotonic())
+            if self.proposer is not None:
+                self.proposer.remove(request.request_id)
         for request in sched.cannot_fit:
             logger.warning("request %s no longer fits in the whole KV cache; ending it",
                            request.request_id)
@@ -259,6 +273,8 @@ class LLMEngine:
             out = self._process(result, now)
             if out is not None:
                 outputs.append(out)
+        if self.proposer is not None:
+            self._propose()
         if self.tracer is not None:
             self._trace_step(step_start, sched)
         return outputs
@@ -325,29 +341,60 @@ class LLMEngine:
     def _process(self, result: StepResult, now: float) -> RequestOutput | None:
         s = result.scheduled
         request = s.request
-        request.num_computed_tokens = s.start + s.num_tokens
-        self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
-                                  request.num_computed_tokens)
+        request.num_computed_tokens = result.num_computed_tokens
+        if s.spec_token_ids:
+            self._record_verification(request, len(s.spec_token_ids), result.num_accepted)
+        tokens = request.all_token_ids
+        if result.num_accepted:     # computed now, appended below
+            tokens = tokens + s.spec_token_ids[:result.num_accepted]
+        self.kv.cache_full_blocks(request.request_id, tokens, request.num_computed_tokens)
         request.metrics.num_kv_blocks = max(request.metrics.num_kv_blocks,
                                             self.kv.num_blocks_of(request.request_id))
         if result.prompt_logprobs:
             request.prompt_logprobs.extend(result.prompt_logprobs)
-        if result.token_id is None:
+        if not result.token_ids:
             return None
-        self.stats.num_decode_tokens += 1
+        prev_len = len(request.output_token_ids)
         m = request.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-        m.token_times.append(now)
+        # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.
+        for j, token in enumerate(result.token_ids):
+            self.stats.num_decode_tokens += 1
+            m.token_times.append(now)
+            request.append_token(token)
+            logprobs = result.logprobs[j] if result.logprobs else None
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+                request.cumulative_logprob += logprobs[token].logprob
+            self._check_stop(request, token)
+            if request.is_finished:
+                break
         m.last_token_time = now
-        request.append_token(result.token_id)
         m.num_generated_tokens = len(request.output_token_ids)
-        if result.logprobs is not None:
-            request.output_logprobs.append(result.logprobs)
-            request.cumulative_logprob += result.logprobs[result.token_id].logprob
-        prev_len = len(request.output_token_ids) - 1
-        self._check_stop(request, result.token_id)
         return self._make_output(request, new_tokens_from=prev_len)
+
+    def _record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count the round and roll back the rejected drafts' slots."""
+        self.spec_stats.record(num_drafts, num_accepted)
+        request.metrics.spec_decode.record(num_drafts, num_accepted)
+        self.kv.trim(request.request_id, request.num_computed_tokens)
+
+    def _propose(self) -> None:
+        """Drafts for every request whose next step is a decode, up to k and never past its
+        length limit; the next step verifies them."""
+        k = self.spec_config.num_speculative_tokens
+        wanted, ks = [], []
+        for request in self.scheduler.running:
+            room = request.max_total_tokens - request.num_tokens - 1
+            if (request.num_tokens_to_compute == 1 and request.output_token_ids
+                    and not request.spec_token_ids and room > 0):
+                wanted.append(request)
+                ks.append(min(k, room))
+        if not wanted:
+            return
+        for request, (tokens, probs) in zip(wanted, self.proposer.propose(wanted, ks)):
+            request.spec_token_ids, request.spec_draft_probs = tokens, probs
 
     def _check_stop(self, request: Request, token: int) -> None:
         p = request.params
@@ -369,7 +416,10 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
+        request.clear_draft()
         self.scheduler.finish(request)
+        if self.proposer is not None:
+            self.proposer.remove(request.request_id)
 
     def _make_output(self, request: Request, new_tokens_from: int | None = None) -> RequestOutput:
         det = request.detokenizer

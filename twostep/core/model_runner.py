@@ -2,12 +2,12 @@
 
 Inputs per step: input_ids and positions of every scheduled token, slot_mapping (where each
 new token's K/V goes), block tables and lengths for attention. lm_head runs only on the
-rows that need logits: the last token of each request that samples this step, plus prompt
-positions of requests that asked for prompt_logprobs.
+rows that need logits: the last token of each request that samples this step, every position
+of a request verifying drafts, plus prompt positions of requests that asked for prompt_logprobs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from twostep.layers.attention import AttentionBackend, AttentionMetadata, Decode
 from twostep.layers.kv_storage import KVLayerCache
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.outputs import PositionLogprobs
+from twostep.spec_decode.rejection import DraftRow, RejectionSampler
 
 
 @dataclass(slots=True)
@@ -25,14 +26,22 @@ class StepResult:
     """What one step produced for one scheduled request."""
 
     scheduled: ScheduledRequest
-    token_id: int | None = None                  # None for a prefill chunk that samples nothing
-    logprobs: PositionLogprobs | None = None
+    token_ids: list[int] = field(default_factory=list)   # none for a prefill chunk that samples nothing
+    logprobs: list[PositionLogprobs | None] | None = None  # one per token when asked for
     prompt_logprobs: list[PositionLogprobs] | None = None
+    num_accepted: int = 0                        # drafts the target accepted (the rest rolled back)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """The request's tokens in the KV cache after this step: rejected drafts do not count."""
+        s = self.scheduled
+        return s.start + s.num_known_tokens + self.num_accepted
 
 
 @dataclass(slots=True)
 class _LogitRows:
     sample_index: dict[int, int]                 # scheduled position -> row in logits
+    verify_rows: dict[int, int]                  # scheduled position -> first of its k + 1 rows
     prompt_rows: dict[int, tuple[int, int, int]] # scheduled position -> (first row, count, first target pos)
     flat_indices: list[int]
 
@@ -46,6 +55,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler)
         # The cache is allocated uninitialised (fast start, no memory until used). A block is
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
@@ -71,6 +81,14 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def last_logits(self, items: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor:
+        """Logits [len(items), vocab] at each item's last position (a draft model's proposals)."""
+        input_ids, positions, meta = self._prepare(items, kv)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])
+
     def _zero_blocks(self, block_ids: list[int]) -> None:
         fresh = [b for b in block_ids if not self._zeroed[b]]
         if not fresh:
@@ -89,7 +107,7 @@ class ModelRunner:
         for s in items:
             req, end = s.request, s.start + s.num_tokens
             block_ids = kv.block_ids(req.request_id)
-            ids.extend(req.all_token_ids[s.start:end])
+            ids.extend(s.input_token_ids())
             pos.extend(range(s.start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
             starts.append(starts[-1] + s.num_tokens)
@@ -112,7 +130,7 @@ class ModelRunner:
         return to_dev(ids), to_dev(pos), meta
 
     def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
-        rows = _LogitRows({}, {}, [])
+        rows = _LogitRows({}, {}, {}, [])
         for i, s in enumerate(items):
             req, first = s.request, meta.query_start_loc[i]
             if req.wants_prompt_logprobs:
@@ -122,7 +140,10 @@ class ModelRunner:
                 if hi > lo:
                     rows.prompt_rows[i] = (len(rows.flat_indices), hi - lo, lo + 1)
                     rows.flat_indices.extend(first + p - s.start for p in range(lo, hi))
-            if s.completes_known_tokens:
+            if s.spec_token_ids:
+                rows.verify_rows[i] = len(rows.flat_indices)
+                rows.flat_indices.extend(range(first, first + s.num_tokens))
+            elif s.completes_known_tokens:
                 rows.sample_index[i] = len(rows.flat_indices)
                 rows.flat_indices.append(first + s.num_tokens - 1)
         return rows
@@ -144,6 +165,22 @@ class ModelRunner:
             picked = logits[torch.tensor([r for _, r in sampling], device=logits.device)]
             out = self.sampler(picked, sample_rows)
             for k, (i, _) in enumerate(sampling):
-                results[i].token_id = out.token_ids[k]
-                results[i].logprobs = out.logprobs[k]
+                results[i].token_ids = [out.token_ids[k]]
+                results[i].logprobs = [out.logprobs[k]]
+        if rows.verify_rows:
+            self._verify(items, logits, rows.verify_rows, results)
         return results
+
+    def _verify(self, items, logits: torch.Tensor, verify_rows: dict[int, int],
+                results: list[StepResult]) -> None:
+        drafts, picked = [], []
+        for i, row in verify_rows.items():
+            s, req = items[i], items[i].request
+            drafts.append(DraftRow(
+                SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator),
+                s.spec_token_ids, s.spec_draft_probs))
+            picked.extend(range(row, row + s.num_tokens))
+        verified = self.rejection_sampler(logits[torch.tensor(picked, device=logits.device)], drafts)
+        for i, v in zip(verify_rows, verified):
+            results[i].token_ids, results[i].num_accepted = v.token_ids, v.num_accepted
+            results[i].logprobs = v.logprobs

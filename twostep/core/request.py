@@ -39,6 +39,10 @@ class Request:
     stop_reason: int | str | None = None
     emitted_text: str = ""           # text handed out so far (deltas concatenated)
     max_total_tokens: int = 0        # prompt + max_tokens, capped at max_model_len
+    # Speculative decoding: tokens proposed after the last step, verified by the next one,
+    # and the distributions a draft model drew them from ([k, V]; None for n-gram lookup).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -67,6 +71,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def clear_draft(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -248,6 +248,12 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 4 for rows that all sample; returns their token ids ``[n]``."""
+        probs = self.filtered_probs(x, rows)
+        return probs.div_(self._noise(rows, x.shape[1], x.device)).argmax(dim=-1)
+
+    def filtered_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Step 4 up to the draw: the distribution ``[n, V]`` sampled rows draw from, given
+        penalised logits ``x`` (min_p leaves it unnormalised: divide by its sum for p)."""
         n, vocab = x.shape
         dev = x.device
         temperature = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=dev)
@@ -266,7 +272,7 @@ class Sampler:
             min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=dev)
             floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             probs.masked_fill_(probs < floor, 0.0)
-        return probs.div_(self._noise(rows, vocab, dev)).argmax(dim=-1)
+        return probs
 
     def _noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
         """Exponential(1) noise ``[n, V]``: seeded rows from their own generator, one

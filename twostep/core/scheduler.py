@@ -12,6 +12,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from twostep.core.request import Request, RequestStatus
 from twostep.kv.kv_cache_manager import KVCacheManager
 
@@ -21,19 +23,33 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int                  # tokens computed for it this step
+    num_tokens: int                  # tokens computed for it this step (drafts included)
     start: int                       # its num_computed_tokens before the step
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step
+    spec_draft_probs: torch.Tensor | None = None              # their draft distributions [k, V]
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - len(self.spec_token_ids)
 
     @property
     def is_decode(self) -> bool:
-        """One new token past the prompt; prompt chunks and recomputation after preemption
-        are prefill work."""
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        """One new token past the prompt (plus drafts to verify); prompt chunks and
+        recomputation after preemption are prefill work."""
+        return self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens
 
     @property
     def completes_known_tokens(self) -> bool:
         """After this step every known token is cached, so the step samples its next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_known_tokens == self.request.num_tokens
+
+    def input_token_ids(self) -> list[int]:
+        """Tokens start .. start + num_tokens of the request's tokens followed by the drafts."""
+        known, end = self.request.all_token_ids, self.start + self.num_tokens
+        head = known[self.start:end] if self.start < len(known) else []
+        if end <= len(known):
+            return head
+        return head + self.spec_token_ids[max(self.start - len(known), 0):end - len(known)]
 
 
 @dataclass(slots=True)
@@ -76,12 +92,29 @@ class Scheduler:
                 break
             if request not in self.running:      # preempted earlier in this loop
                 continue
+            if self._schedule_draft(request, budget, out):
+                continue
             n = min(request.num_tokens_to_compute, budget)
             if self._make_room(request, n, out):
                 out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
         if not out.preempted:
             self._admit_waiting(self.max_num_batched_tokens - out.num_tokens, out)
         return out
+
+    def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """A decode with drafts verifies them too, as budget and free blocks allow (drafts
+        are tokens to compute); without room it falls back to a plain decode."""
+        drafts = request.spec_token_ids[:budget - 1]
+        if (not drafts or request.num_tokens_to_compute != 1
+                or not self.kv.allocate_slots(request.request_id, request.num_computed_tokens,
+                                              1 + len(drafts))):
+            request.clear_draft()
+            return False
+        probs = request.spec_draft_probs
+        out.scheduled.append(ScheduledRequest(request, 1 + len(drafts), request.num_computed_tokens,
+                                              drafts, None if probs is None else probs[:len(drafts)]))
+        request.clear_draft()       # consumed: the next proposal follows this step's outcome
+        return True
 
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate n more slots for a running request, preempting the newest others if needed."""
@@ -99,6 +132,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.clear_draft()
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -33,6 +33,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write a per-step trace (Chrome trace-event JSON, opens in Perfetto)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                           'or \'{"method": "draft_model", "model": "path", "num_speculative_tokens": 4}\'')
+    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                      help="short for the JSON's method (the flags below override its keys)")
+    spec.add_argument("--speculative-model", default=None, help="draft model (method draft_model)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (k)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
+    spec.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
+
+
+def speculative_config_from(args: argparse.Namespace) -> dict | None:
+    """--speculative-config's JSON with the short flags laid over it; None when none is given."""
+    from twostep.spec_decode.config import SpeculativeConfig
+
+    base = SpeculativeConfig.parse(args.speculative_config)
+    config = {} if base is None else {k: getattr(base, k) for k in base.__slots__}
+    flags = {"method": args.speculative_method, "model": args.speculative_model,
+             "num_speculative_tokens": args.num_speculative_tokens,
+             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    config |= {k: v for k, v in flags.items() if v is not None}
+    return config or None
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -42,7 +65,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         kv_cache_dtype=args.kv_cache_dtype,
-        num_threads=args.num_threads,
+        num_threads=args.num_threads, speculative_config=speculative_config_from(args),
     )
 
 
@@ -161,7 +184,14 @@ def summary_line(out, engine) -> str:
             f"({out.num_cached_tokens} cached) | generated {n_gen} tok | "
             f"TTFT {ttft * 1e3:.1f} ms (prefill {prefill_tps:.0f} tok/s) | "
             f"TPOT {tpot * 1e3 if tpot else float('nan'):.1f} ms (decode {decode_tps:.1f} tok/s) | "
-            f"KV blocks {m.num_kv_blocks}/{stats['num_blocks']} x {engine.config.block_size}")
+            f"KV blocks {m.num_kv_blocks}/{stats['num_blocks']} x {engine.config.block_size}"
+            + (f" | {spec_summary(m.spec_decode)}" if m.spec_decode is not None else ""))
+
+
+def spec_summary(stats) -> str:
+    return (f"spec: {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts accepted "
+            f"({stats.acceptance_rate:.0%}), {stats.mean_acceptance_length:.2f} tok/step, "
+            f"per position {stats.accepted_per_position}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,19 @@ class KVCacheManager:
             self.pool.cache(blocks[i], keys[i])
         self._num_registered[request_id] = full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks past the first num_tokens positions (rejected draft tokens'
+        slots, rolled back after verification), tail first. Registered blocks never lie past
+        a request's computed tokens, so only uncached blocks are released."""
+        blocks = self._blocks.get(request_id)
+        if not blocks:
+            return
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= self._num_registered.get(request_id, 0), "trim would drop a cached block"
+        if keep < len(blocks):
+            self.pool.free(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first: a suffix is evicted before its prefix."""
         blocks = self._blocks.pop(request_id, [])

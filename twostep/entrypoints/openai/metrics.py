@@ -20,6 +20,9 @@ _ENGINE_COUNTERS = {   # engine stats key -> metric suffix
     "prefix_cache_queries": "prefix_cache_queries",
     "prefix_cache_hits": "prefix_cache_hits",
     "num_preemptions": "num_preemptions",
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
 
@@ -59,6 +62,9 @@ class ServerMetrics:
         self.engine_counters = {key: counter(name, f"Engine counter {name}.")
                                 for key, name in _ENGINE_COUNTERS.items()}
         self._last_engine: dict[str, int] = {key: 0 for key in _ENGINE_COUNTERS}
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position.", ("position",))
+        self._last_per_pos: list[int] = []
         # Create every series at zero so scrapes see them before the first request.
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
                        self.running, self.waiting, self.kv_usage, self.prompt_tokens,
@@ -95,10 +101,15 @@ class ServerMetrics:
         self.waiting.labels(name).set(waiting)
         self.kv_usage.labels(name).set(kv_usage)
         for key, counter in self.engine_counters.items():
-            delta = stats[key] - self._last_engine[key]
-            if delta > 0:
-                counter.labels(name).inc(delta)
-            self._last_engine[key] = stats[key]
+            value = stats.get(key, 0)         # speculative counters exist only with speculation
+            if value > self._last_engine[key]:
+                counter.labels(name).inc(value - self._last_engine[key])
+            self._last_engine[key] = value
+        per_pos = stats.get("spec_decode_accepted_per_position", [])
+        for pos, value in enumerate(per_pos):
+            last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            self.accepted_per_pos.labels(name, str(pos)).inc(value - last)
+        self._last_per_pos = list(per_pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

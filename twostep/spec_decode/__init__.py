@@ -1,0 +1,1 @@
+"""Speculative decoding: guess k tokens cheaply, verify them in one target forward."""

@@ -1,0 +1,58 @@
+"""`--speculative-config`: vLLM's JSON keys for the two methods twostep implements.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "path/or/hub-id", "num_speculative_tokens": 4, "dtype": "auto"}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4             # ngram: longest suffix n-gram looked up
+    prompt_lookup_min: int = 2             # ngram: shortest
+    model: str | None = None               # draft_model: folder, .gguf or hub id
+    dtype: str = "auto"                    # draft_model: its dtype (auto = the target's)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('method "draft_model" needs "model": the draft model to load')
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict, or its JSON text (as --speculative-config takes it)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:   # as vLLM: a model alone means a draft model
+            if "model" not in value:
+                raise ValueError('speculative config needs "method" ("ngram" or "draft_model")')
+            value = {**value, "method": "draft_model"}
+        return cls(**value)
