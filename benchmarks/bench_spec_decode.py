@@ -23,6 +23,7 @@ import statistics
 import time
 
 from twostep import LLM, SamplingParams
+from twostep.models.loader import resolve_model_path
 
 PARAGRAPHS = [
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -44,6 +45,7 @@ def prompts(n: int) -> list[list[dict]]:
 
 
 def engines(model: str | None) -> dict[str, LLM]:
+    model = resolve_model_path(model)
     common = dict(enable_prefix_caching=False, kv_cache_memory="1GiB")
     return {
         "plain": LLM(model, **common),
@@ -51,7 +53,7 @@ def engines(model: str | None) -> dict[str, LLM]:
         "ngram k=4": LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common),
         "fp32": LLM(model, dtype="float32", **common),
         "fp32 + bf16 draft": LLM(model, dtype="float32", **common, speculative_config={
-            "method": "draft_model", "model": model or "default", "dtype": "bfloat16",
+            "method": "draft_model", "model": model, "dtype": "bfloat16",
             "num_speculative_tokens": 4}),
     }
 

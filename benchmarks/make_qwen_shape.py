@@ -1,0 +1,133 @@
+"""A random-initialised model with the real Qwen2.5-0.5B shape: an HF folder and a BF16 GGUF.
+
+    .venv/bin/python benchmarks/make_qwen_shape.py [--out /tmp/twostep-qwen-shape]
+
+Writes, seeded and only what is not there yet:
+  OUT/config.json, model.safetensors (bf16), tokenizer.json ...   for twostep and HF transformers
+  OUT/model-bf16.gguf                                             for llama.cpp
+No download: the weights are random (performance does not depend on their values) and the
+tokenizer is a synthetic byte-level BPE with Qwen2's pre-tokenizer and Qwen2's vocabulary size
+(151,643 tokens plus its 3 special tokens; the embedding has 151,936 rows, like Qwen's).
+The GGUF comes from llama.cpp's own convert_hf_to_gguf.py (the one in the llama-cpp-python
+sdist, --llama-cpp-src). That converter identifies a BPE tokenizer by hashing how it tokenizes
+a probe string; a synthetic vocabulary cannot match Qwen2's hash, so the converter runs with
+its pre-tokenizer detection answering "qwen2", which is what this tokenizer's pre-tokenizer is.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_OUT = "/tmp/twostep-qwen-shape"
+DEFAULT_LLAMA_CPP_SRC = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+GGUF_NAME = "model-bf16.gguf"
+NUM_REGULAR_TOKENS = 151643
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 151643.. as in Qwen2
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Run the converter with its pre-tokenizer detection answering "qwen2" (see the docstring).
+_CONVERT = """
+import runpy, sys
+script = sys.argv[1]
+src = script.rsplit("/", 1)[0]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def qwen_shape_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        bos_token_id=151643, eos_token_id=151643, dtype="bfloat16")
+
+
+def synthetic_tokenizer():
+    """Byte-level BPE: the 256 byte symbols, all their pairs, then pair+byte triples up to
+    NUM_REGULAR_TOKENS; Qwen2's pre-tokenizer, normaliser and decoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = []
+
+    def add(left: str, right: str) -> None:
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+
+    for a in alphabet:
+        for b in alphabet:
+            add(a, b)
+    pairs = list(vocab)[len(alphabet):]
+    for ab in pairs:
+        for c in alphabet:
+            if len(vocab) == NUM_REGULAR_TOKENS:
+                break
+            add(ab, c)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def write_hf_folder(out: Path, seed: int) -> None:
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(qwen_shape_config()).to(torch.bfloat16)
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=synthetic_tokenizer(), eos_token="<|endoftext|>",
+                            pad_token="<|endoftext|>").save_pretrained(out)
+
+
+def write_gguf(out: Path, llama_cpp_src: Path) -> None:
+    script = llama_cpp_src / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        sys.exit(f"{script} not found: unpack the llama-cpp-python sdist (README, 'Comparing with "
+                 "peers') or pass --llama-cpp-src")
+    tmp = out / (GGUF_NAME + ".part")
+    subprocess.run([sys.executable, "-c", _CONVERT, str(script), str(out), "--outtype", "bf16",
+                    "--outfile", str(tmp)], check=True)
+    tmp.rename(out / GGUF_NAME)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC", DEFAULT_LLAMA_CPP_SRC),
+                    help="llama.cpp source tree with convert_hf_to_gguf.py")
+    ap.add_argument("--no-gguf", action="store_true", help="only the HF folder")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        print(f"{out}: HF folder already there")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        write_hf_folder(out, args.seed)
+        print(f"{out}: HF folder written")
+    if args.no_gguf:
+        return
+    if (out / GGUF_NAME).is_file():
+        print(f"{out / GGUF_NAME}: already there")
+    else:
+        write_gguf(out, Path(args.llama_cpp_src))
+        print(f"{out / GGUF_NAME}: written")
+
+
+if __name__ == "__main__":
+    main()
