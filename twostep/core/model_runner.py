@@ -118,13 +118,15 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64,
                              device=self.device)
-        decode_rows = [i for i, q in enumerate(qlens) if q == 1]
+        # Decodes, and decodes verifying drafts, share one batched attention call per layer.
+        decode_rows = [i for i, s in enumerate(items) if s.num_tokens == 1 or s.spec_token_ids]
+        decode_set = set(decode_rows)
         meta = AttentionMetadata(
             query_start_loc=starts, query_lens=qlens, seq_lens=slens,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=table, block_size=bs,
-            prefill_rows=[i for i, q in enumerate(qlens) if q > 1],
-            decode=DecodeBatch.build(decode_rows, starts, slens, table, bs) if decode_rows else None,
+            prefill_rows=[i for i in range(len(items)) if i not in decode_set],
+            decode=DecodeBatch.build(decode_rows, starts, qlens, slens, table, bs) if decode_rows else None,
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return to_dev(ids), to_dev(pos), meta

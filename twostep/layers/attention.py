@@ -27,31 +27,43 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor       # [T] int64: block_id * block_size + offset for each new token
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     block_size: int
-    prefill_rows: list[int]          # sequences with query_len > 1
-    decode: "DecodeBatch | None" = None  # the sequences with query_len 1, batched together
+    prefill_rows: list[int]          # prompt chunks: one attention call each
+    decode: "DecodeBatch | None" = None  # decodes (with any drafts to verify), batched together
 
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """What every layer's decode attention needs, computed once per step (not once per layer)."""
+    """Sequences with a few new tokens each (a decode, or a decode verifying k drafts), batched
+    into one attention call per layer; built once per step (not once per layer)."""
 
-    index: torch.Tensor              # [B] positions of the decode tokens in the flat batch
+    index: torch.Tensor              # [B, Q] flat positions of each sequence's new tokens (padded
+                                     # with its last one), Q = the most new tokens of any of them
     tables: torch.Tensor             # [B, blocks covering max_len]
     max_len: int
-    mask: torch.Tensor | None        # [B, 1, 1, max_len] valid positions; None when lengths are equal
+    mask: torch.Tensor | None        # [B, 1, Q, max_len]: what each query may see; None when
+                                     # Q = 1 and every context has the same length
+    valid: torch.Tensor | None       # [B * Q] which rows of index are real tokens; None: all
 
     @staticmethod
-    def build(rows: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-              block_size: int) -> "DecodeBatch":
+    def build(rows: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int],
+              block_tables: torch.Tensor, block_size: int) -> "DecodeBatch":
         device = block_tables.device
         lens = [seq_lens[r] for r in rows]
-        max_len = max(lens)
-        mask = None
-        if min(lens) != max_len:
-            lens_t = torch.tensor(lens, device=device)
-            mask = (torch.arange(max_len, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        return DecodeBatch(torch.tensor([starts[r] for r in rows], device=device),
-                           block_tables[rows, : _blocks_for(max_len, block_size)], max_len, mask)
+        qlens = [query_lens[r] for r in rows]
+        max_len, max_q = max(lens), max(qlens)
+        index = torch.tensor([[starts[r] + min(i, q - 1) for i in range(max_q)]
+                              for r, q in zip(rows, qlens)], device=device)
+        mask = valid = None
+        if max_q > 1 or min(lens) != max_len:
+            # query i of a sequence with q new tokens and context n sits at n - q + i
+            last = torch.tensor([n - q for n, q in zip(lens, qlens)], device=device)[:, None] \
+                + torch.arange(max_q, device=device)[None, :]
+            mask = (torch.arange(max_len, device=device)[None, None, :] <= last[:, :, None])[:, None]
+        if min(qlens) != max_q:
+            valid = (torch.arange(max_q, device=device)[None, :]
+                     < torch.tensor(qlens, device=device)[:, None]).reshape(-1)
+        return DecodeBatch(index, block_tables[rows, : _blocks_for(max_len, block_size)], max_len,
+                           mask, valid)
 
 
 class AttentionBackend(Protocol):
@@ -78,8 +90,8 @@ def write_kv(cache: KVLayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 
 class ReferenceAttention:
-    """Pure PyTorch; runs on any device. Decodes are batched into one padded SDPA call;
-    each prefill chunk gets its own call with a causal mask offset by its cached prefix."""
+    """Pure PyTorch; runs on any device. Decodes (and their drafts) are batched into one padded
+    call; each prefill chunk gets its own SDPA call with a causal mask offset by its cached prefix."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVLayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -92,19 +104,26 @@ class ReferenceAttention:
         return out
 
     def _decode(self, q, kv_cache, d: DecodeBatch, scale, out) -> None:
-        """One query per sequence: two batched matmuls over the gathered context (cheaper than
-        SDPA's kernels for a single query), scores and softmax in float32. Padding positions
-        hold finite values (see ModelRunner: blocks are zeroed on first use) and are masked."""
+        """A few queries per sequence: two batched matmuls over the gathered context (cheaper
+        than SDPA's kernels for so few queries), all in float32. Padding
+        positions hold finite values (see ModelRunner: blocks are zeroed on first use) and are
+        masked, as are keys after a query's own position."""
         keys, values = _gather(kv_cache, d.tables, d.max_len, q.dtype)  # [B, L, Hkv, D]
-        b, kv_heads, dim = d.index.shape[0], keys.shape[2], keys.shape[3]
-        queries = q[d.index].float().view(b, kv_heads, -1, dim)        # [B, Hkv, G, D]
+        (b, nq), kv_heads, dim = d.index.shape, keys.shape[2], keys.shape[3]
+        group = q.shape[1] // kv_heads
+        queries = q[d.index.reshape(-1)].float().view(b, nq, kv_heads, group, dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * nq, dim)  # rows (g, i)
         k = _heads_first(keys, torch.float32)                          # [B, Hkv, L, D]
-        scores = torch.matmul(queries, k.transpose(-1, -2)) * scale    # [B, Hkv, G, L]
+        scores = torch.matmul(queries, k.transpose(-1, -2)) * scale    # [B, Hkv, G*Q, L]
         if d.mask is not None:
-            scores.masked_fill_(~d.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        o = torch.matmul(probs, _heads_first(values, values.dtype))   # [B, Hkv, G, D]
-        out[d.index] = o.reshape(b, -1, dim).to(out.dtype)
+            scores.masked_fill_(~d.mask.repeat(1, 1, group, 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, _heads_first(values, torch.float32))  # [B, Hkv, G*Q, D]
+        o = o.view(b, kv_heads, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(b * nq, -1, dim)
+        index = d.index.reshape(-1)
+        if d.valid is not None:
+            o, index = o[d.valid], index[d.valid]
+        out[index] = o.to(out.dtype)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
         start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]
