@@ -375,3 +375,19 @@ def test_server_streams_speculative_output_and_exports_vllm_counters(tiny_model_
     finally:
         assert server.terminate() == 0
 
+
+
+def test_bench_reports_speculation_counters_of_the_run(tiny_model_dir):
+    from twostep import LLM
+    from twostep.bench.cli import _report
+    from twostep.bench.offline import run_throughput
+    from twostep.bench.workloads import fixed
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="8MiB", speculative_config=NGRAM)
+    result = run_throughput(llm, fixed(4, 16, 24, 384, 0), use_tqdm=False).as_dict()
+    again = run_throughput(llm, fixed(4, 16, 24, 384, 0), use_tqdm=False).as_dict()
+    spec, stats = again["spec_decode"], llm.get_stats()
+    assert spec["num_drafts"] > 0 and spec == result["spec_decode"]   # per run, not since start
+    assert 2 * spec["num_accepted_tokens"] == stats["spec_decode_num_accepted_tokens"]
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
+    assert "speculative decoding:" in _report("throughput", again)

@@ -101,7 +101,8 @@ def _spec_line(spec: dict | None) -> str:
         return ""
     return (f"\n  speculative decoding: {spec['num_drafts']} drafts, {spec['num_accepted_tokens']}/"
             f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.1%}), "
-            f"mean acceptance length {spec['mean_acceptance_length']:.2f}")
+            f"mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+            f"accepted per position {spec['accepted_per_position']}")
 
 
 def _run_ceilings(args: argparse.Namespace) -> int:

@@ -68,6 +68,9 @@ def spec_delta(before: dict, after: dict) -> dict | None:
          for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
     d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    old = before["spec_decode_accepted_per_position"]
+    d["accepted_per_position"] = [n - (old[i] if i < len(old) else 0)
+                                  for i, n in enumerate(after["spec_decode_accepted_per_position"])]
     return d
 
 
