@@ -391,3 +391,63 @@ def test_bench_reports_speculation_counters_of_the_run(tiny_model_dir):
     assert 2 * spec["num_accepted_tokens"] == stats["spec_decode_num_accepted_tokens"]
     assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
     assert "speculative decoding:" in _report("throughput", again)
+
+
+def test_garbage_in_the_drafts_unwritten_blocks_never_leaks(reference, monkeypatch):
+    """The draft reserves blocks for drafts 2..k before writing them, and batched steps read them
+    (masked) for shorter sequences: NaN there must not reach the drafts."""
+    import twostep.spec_decode.draft_model as draft_module
+    from twostep.kv.cache_tensors import allocate_kv_cache
+
+    def nan_cache(*args, **kwargs):
+        caches = allocate_kv_cache(*args, **kwargs)
+        for cache in caches:
+            cache.values.fill_(float("nan"))
+        return caches
+
+    monkeypatch.setattr(draft_module, "allocate_kv_cache", nan_cache)
+    folder, prompts, expected = reference
+    engine = engine_for(folder, speculative_config=draft_config(folder, 4), block_size=2)
+    outs = run_all(engine, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0   # the target is its own draft
+
+
+def test_drafts_never_crowd_out_other_decodes(reference):
+    """With a budget below max_num_seqs * (k + 1), every running decode still gets its token each
+    step; drafts only take what is left."""
+    folder, prompts, expected = reference
+    engine = engine_for(folder, speculative_config={**NGRAM, "num_speculative_tokens": 8},
+                        max_num_batched_tokens=10)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        decoding = [r for r in engine.scheduler.running if not r.is_prefilling]
+        before = {r.request_id: len(r.output_token_ids) for r in decoding}
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(decoding) <= 10:
+            for r in decoding:
+                if not r.is_finished:
+                    assert len(r.output_token_ids) > before[r.request_id], "a decode was skipped"
+    assert [done[i].outputs[0].token_ids for i in ids] == expected
+
+
+def test_the_draft_catches_up_on_long_prompts_within_the_token_budget(reference):
+    folder, prompts, expected = reference
+    engine = engine_for(folder, speculative_config=draft_config(folder, 3), max_num_batched_tokens=8)
+    runner = engine.proposer.runner
+    sizes = []
+    original = runner.last_logits
+
+    def spy(items, kv):
+        sizes.append(sum(s.num_tokens for s in items))
+        return original(items, kv)
+
+    runner.last_logits = spy
+    outs = run_all(engine, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(sizes) <= 8 + len(prompts), sizes            # chunks plus one fed-back draft each
+    assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0
+    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.pool.num_blocks   # all freed

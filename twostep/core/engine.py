@@ -83,7 +83,8 @@ class LLMEngine:
         self.proposer = None if self.spec_config is None else make_proposer(
             self.spec_config, TargetShape(self.dtype, self.device, self.model_config.vocab_size,
                                           self.max_model_len, config.block_size, self.kv_plan.num_blocks,
-                                          config.attention_backend, config.cpu_prepack_weights),
+                                          config.max_num_batched_tokens, config.attention_backend,
+                                          config.cpu_prepack_weights),
             sampler)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

@@ -60,7 +60,7 @@ class ModelRunner:
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
         self._zeroed = torch.zeros(kv_caches[0].num_blocks, dtype=torch.bool)
-        self._zero_blocks([0])          # padding entries of block tables point at block 0
+        self.ensure_zeroed([0])          # padding entries of block tables point at block 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[StepResult]:
@@ -89,7 +89,8 @@ class ModelRunner:
         last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
 
-    def _zero_blocks(self, block_ids: list[int]) -> None:
+    def ensure_zeroed(self, block_ids: list[int]) -> None:
+        """Zero those of these blocks that were never written (see __init__)."""
         fresh = [b for b in block_ids if not self._zeroed[b]]
         if not fresh:
             return
@@ -114,7 +115,7 @@ class ModelRunner:
             qlens.append(s.num_tokens)
             slens.append(end)
             tables.append(block_ids)
-        self._zero_blocks(sorted({sl // bs for sl in slots}))
+        self.ensure_zeroed(sorted({sl // bs for sl in slots}))
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64,
                              device=self.device)

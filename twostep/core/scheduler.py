@@ -85,6 +85,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Every decode's own token comes before any request's drafts.
+        decodes_left = sum(not r.is_prefilling for r in self.running)
         # Decodes first, then partial prefills; sorted() is stable, so arrival order holds.
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             budget = self.max_num_batched_tokens - out.num_tokens  # preemption refunds tokens
@@ -92,7 +94,8 @@ class Scheduler:
                 break
             if request not in self.running:      # preempted earlier in this loop
                 continue
-            if self._schedule_draft(request, budget, out):
+            decodes_left -= not request.is_prefilling
+            if self._schedule_draft(request, budget - decodes_left, out):
                 continue
             n = min(request.num_tokens_to_compute, budget)
             if self._make_room(request, n, out):
@@ -104,7 +107,7 @@ class Scheduler:
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """A decode with drafts verifies them too, as budget and free blocks allow (drafts
         are tokens to compute); without room it falls back to a plain decode."""
-        drafts = request.spec_token_ids[:budget - 1]
+        drafts = request.spec_token_ids[:max(budget - 1, 0)]
         if (not drafts or request.num_tokens_to_compute != 1
                 or not self.kv.allocate_slots(request.request_id, request.num_computed_tokens,
                                               1 + len(drafts))):

@@ -4,9 +4,9 @@ The draft (a smaller model with the target's vocabulary, or the target itself in
 dtype) keeps, per request, the tokens its cache holds: the request's tokens up to some point,
 then the drafts it fed itself last time. Before proposing it keeps the longest prefix that
 the target confirmed (accepted drafts stay, rejected ones roll back), catches up on the
-tokens it has not seen in one forward (a prompt after prefill, or the 1-2 tokens a
-verification step added), then feeds each new draft back in, k - 1 more one-token steps,
-batched over every proposing request.
+tokens it has not seen in one forward (the 1-2 tokens a verification step added, or a prompt
+after prefill, in chunks of at most max_num_batched_tokens a step), then feeds each new draft
+back in, k - 1 more one-token steps, batched over every proposing request.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class TargetShape:
     max_model_len: int
     block_size: int
     num_blocks: int                  # the draft's pool gets as many blocks as the target's
+    max_num_batched_tokens: int = 2048   # the most unseen tokens the draft computes in a step
     attention_backend: str = "reference"
     prepack: bool = True
 
@@ -74,6 +75,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, caches, plan.block_size,
                                   get_attention_backend(target.attention_backend), target.device, sampler)
         self.sampler = sampler
+        self.token_budget = target.max_num_batched_tokens
         self._fed: dict[str, _Fed] = {}
         logger.info("draft model %s: %d layers, dtype %s; its %s", path, mc.num_layers,
                     str(dtype).removeprefix("torch."), plan.describe())
@@ -82,18 +84,17 @@ class DraftModelProposer:
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
         """Up to ks[i] drafts for requests[i], with the distributions they were drawn from
         ([k, V], or None when every draft was a greedy argmax)."""
-        active: list[tuple[Request, int]] = []
-        for request, k in zip(requests, ks):
-            k = min(k, self.max_model_len - request.num_tokens + 1)
-            if k >= 1 and self._make_room(request, k):
-                active.append((request, k))
+        active, chunks = self._select(requests, ks)
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
         dists: dict[str, list[torch.Tensor | None]] = {r.request_id: [] for r, _ in active}
         # Step 0 catches up on unseen tokens; step j > 0 feeds draft j back in.
         items = [ScheduledRequest(r, r.num_tokens - self._fed[r.request_id].base,
                                   self._fed[r.request_id].base) for r, _ in active]
-        while items:
-            logits = self.runner.last_logits(items, self.kv)
+        while items or chunks:
+            logits = self.runner.last_logits(items + chunks, self.kv)[:len(items)]
+            chunks = []                  # catch-up chunks only ride along in the first forward
+            if not items:
+                break
             rows = [SamplingRow(s.request.params, s.request.prompt_token_ids,
                                 s.request.output_token_ids + drafts[s.request.request_id],
                                 s.request.generator) for s in items]
@@ -108,6 +109,27 @@ class DraftModelProposer:
             self._fed[r.request_id] = _Fed(r.num_tokens, drafts[r.request_id][:k - 1])
         by_id = {r.request_id: (drafts[r.request_id], _stack(dists[r.request_id])) for r, _ in active}
         return [by_id.get(r.request_id, ([], None)) for r in requests]
+
+    def _select(self, requests: list[Request], ks: list[int]
+                ) -> tuple[list[tuple[Request, int]], list[ScheduledRequest]]:
+        """The requests that propose now (with their k), and chunks of those still catching up:
+        like the target, the draft computes at most max_num_batched_tokens unseen tokens a step
+        (a long prompt that just finished its prefill is caught up over several steps)."""
+        active, chunks, budget = [], [], self.token_budget
+        for request, k in zip(requests, ks):
+            k = min(k, self.max_model_len - request.num_tokens + 1)
+            if k < 1 or budget == 0 or not self._make_room(request, k):
+                continue
+            base = self._fed[request.request_id].base
+            unseen = request.num_tokens - base
+            if unseen <= budget:
+                active.append((request, k))
+            else:
+                unseen = budget
+                chunks.append(ScheduledRequest(request, unseen, base))
+                self._fed[request.request_id] = _Fed(base + unseen, [])
+            budget -= unseen
+        return active, chunks
 
     def _make_room(self, request: Request, k: int) -> bool:
         """Roll the draft's cache back to what the target confirmed and grow it for k drafts."""
@@ -125,6 +147,9 @@ class DraftModelProposer:
         if not self.kv.allocate_slots(rid, valid, request.num_tokens + k - 1 - valid):
             self.remove(rid)
             return False
+        # Blocks reserved for drafts 2..k are read (masked) by batched steps before they are
+        # written: zero them now, as garbage there could be NaN (and NaN * 0 is NaN).
+        self.runner.ensure_zeroed(self.kv.block_ids(rid))
         self._fed[rid] = _Fed(valid, [])
         return True
 
