@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill under one rule (vLLM v1's counter model).
 
 Every step has a budget of max_num_batched_tokens. Each scheduled request gets
-min(tokens it still needs, budget left) tokens: one for a decode, a chunk for a prefill.
-Running decodes go first, then running partial prefills, then waiting requests, so a long
+min(tokens it still needs, budget left) tokens: one for a decode, a chunk for a prefill, and
+for a decode with speculative drafts also the drafts to verify (after every decode has its
+own token; drafts that do not fit are cut). Running decodes go first, then running partial prefills, then waiting requests, so a long
 prompt never stalls the decodes. When the KV cache is full the newest running request is
 preempted: its blocks are freed and it is recomputed later from its tokens.
 """
