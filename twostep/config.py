@@ -22,7 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
     enable_prefix_caching: bool = True     # reuse KV blocks of shared prompt prefixes
     kv_cache_dtype: str = "auto"           # auto (= model dtype) | bfloat16 | float16 | float32 | int8 | fp8_e4m3 | fp8_e5m2
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask

@@ -76,7 +76,7 @@ class LLMEngine:
                                       self.dtype, self.device, self.kv_format)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.runner = ModelRunner(self.model, kv_caches, config.block_size,
-                                  get_attention_backend(config.attention_backend), self.device, sampler)
+                                  get_attention_backend(config.attention_backend, self.device), self.device, sampler)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.spec_config = config.speculative_config
         self.spec_stats = SpecDecodeStats()

@@ -43,6 +43,8 @@ class DecodeBatch:
     mask: torch.Tensor | None        # [B, 1, Q, max_len]: what each query may see; None when
                                      # Q = 1 and every context has the same length
     valid: torch.Tensor | None       # [B * Q] which rows of index are real tokens; None: all
+    query_lens: torch.Tensor         # [B] new tokens of each sequence (int64)
+    seq_lens: torch.Tensor           # [B] its context after this step (int64)
 
     @staticmethod
     def build(rows: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int],
@@ -63,7 +65,7 @@ class DecodeBatch:
             valid = (torch.arange(max_q, device=device)[None, :]
                      < torch.tensor(qlens, device=device)[:, None]).reshape(-1)
         return DecodeBatch(index, block_tables[rows, : _blocks_for(max_len, block_size)], max_len,
-                           mask, valid)
+                           mask, valid, torch.tensor(qlens, device=device), torch.tensor(lens, device=device))
 
 
 class AttentionBackend(Protocol):
@@ -175,7 +177,17 @@ def _sdpa(q, keys, values, mask, scale, causal: bool = False) -> torch.Tensor:
                                           scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
-def get_attention_backend(name: str = "reference") -> AttentionBackend:
-    if name == "reference":
+def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """auto: the C++ paged kernel for decodes on CPU where it builds, else the reference backend."""
+    if name in ("auto", "cpu_paged") and (device is None or device.type == "cpu"):
+        from twostep.kernels import paged_attention
+        from twostep.layers.cpu_paged_attention import CPUPagedAttention
+
+        kernel = paged_attention()
+        if kernel is not None:
+            return CPUPagedAttention(kernel)
+        if name == "cpu_paged":
+            raise ValueError("attention backend cpu_paged: its C++ kernel could not be built (see the log)")
+    if name in ("auto", "reference"):
         return ReferenceAttention()
-    raise ValueError(f"unknown attention backend {name!r}: available: reference")
+    raise ValueError(f"unknown attention backend {name!r}: available: auto, reference, cpu_paged")

@@ -43,7 +43,7 @@ class TargetShape:
     block_size: int
     num_blocks: int                  # the draft's pool gets as many blocks as the target's
     max_num_batched_tokens: int = 2048   # the most unseen tokens the draft computes in a step
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
     prepack: bool = True
 
 
@@ -73,7 +73,7 @@ class DraftModelProposer:
         caches = allocate_kv_cache(plan, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, target.device)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, caches, plan.block_size,
-                                  get_attention_backend(target.attention_backend), target.device, sampler)
+                                  get_attention_backend(target.attention_backend, target.device), target.device, sampler)
         self.sampler = sampler
         self.token_budget = target.max_num_batched_tokens
         self._fed: dict[str, _Fed] = {}

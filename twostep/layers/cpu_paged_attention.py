@@ -1,0 +1,32 @@
+"""Decode attention on CPU through the C++ kernel in twostep/kernels/paged_attention.cpp: it reads
+each sequence's K/V blocks where they lie in the cache, instead of gathering them, padding them to
+the longest context and converting them. Measured per layer (bf16, SmolLM2's 3 KV heads): 8
+sequences of 1,000 tokens 1.26 ms against the reference's 1.84; batch 1 at 128 tokens 0.03 against
+0.11. Prefill chunks, steps that verify drafts (slower here than the reference's batched matmuls),
+8-bit caches and other dtypes take the reference path."""
+from __future__ import annotations
+
+import torch
+
+from twostep.layers.attention import DecodeBatch, ReferenceAttention
+
+
+class CPUPagedAttention(ReferenceAttention):
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def _decode(self, q, kv_cache, d: DecodeBatch, scale, out) -> None:
+        # Verification steps (several queries per sequence) measured faster on the reference path.
+        if (kv_cache.scales is not None or d.index.shape[1] > 1
+                or kv_cache.values.dtype not in (torch.float32, torch.bfloat16)):
+            return super()._decode(q, kv_cache, d, scale, out)
+        self.kernel_decode(q, kv_cache, d, scale, out)
+
+    def kernel_decode(self, q, kv_cache, d: DecodeBatch, scale, out) -> None:
+        o = self.kernel.paged_decode_attention(q.float().contiguous(), d.index, d.query_lens,
+                                               kv_cache.values, d.tables, d.seq_lens, scale)
+        o = o.view(-1, *q.shape[1:])
+        index = d.index.reshape(-1)
+        if d.valid is not None:
+            o, index = o[d.valid], index[d.valid]
+        out[index] = o.to(out.dtype)
