@@ -451,3 +451,21 @@ def test_the_draft_catches_up_on_long_prompts_within_the_token_budget(reference)
     assert max(sizes) <= 8 + len(prompts), sizes            # chunks plus one fed-back draft each
     assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0
     assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.pool.num_blocks   # all freed
+
+
+def test_a_draft_with_a_shorter_context_stops_proposing_past_it(reference, tmp_path):
+    folder, prompts, expected = reference
+    short = make_tiny_model(tmp_path / "short", "llama", max_position_embeddings=48)   # same weights
+    engine = engine_for(folder, speculative_config=draft_config(short, 4))
+    assert engine.proposer.max_model_len == 48
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        for r in engine.scheduler.running:
+            if r.num_tokens > 48:    # nothing of it is kept in the draft's cache any more
+                assert engine.proposer.kv.num_blocks_of(r.request_id) == 0
+    assert [done[i].outputs[0].token_ids for i in ids] == expected
+    assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0
+    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.pool.num_blocks

@@ -118,7 +118,10 @@ class DraftModelProposer:
         active, chunks, budget = [], [], self.token_budget
         for request, k in zip(requests, ks):
             k = min(k, self.max_model_len - request.num_tokens + 1)
-            if k < 1 or budget == 0 or not self._make_room(request, k):
+            if k < 1:                        # past the draft's context: it will not propose again
+                self.remove(request.request_id)
+                continue
+            if budget == 0 or not self._make_room(request, k):
                 continue
             base = self._fed[request.request_id].base
             unseen = request.num_tokens - base
