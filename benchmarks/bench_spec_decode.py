@@ -23,6 +23,7 @@ import statistics
 import time
 
 from twostep import LLM, SamplingParams
+from twostep.bench.offline import spec_delta
 from twostep.models.loader import resolve_model_path
 
 PARAGRAPHS = [
@@ -66,8 +67,7 @@ def run(llm: LLM, batch: list, params: SamplingParams) -> dict:
     after = llm.get_stats()
     m = outs[0].metrics
     n = m.num_generated_tokens
-    spec = {k: after.get(f"spec_decode_{k}", 0) - before.get(f"spec_decode_{k}", 0)
-            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    spec = spec_delta(before, after) or {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
     return {"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time) if n > 1 else 0.0,
             "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
             "tokens": [o.outputs[0].token_ids for o in outs], **spec}

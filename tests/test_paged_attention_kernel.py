@@ -62,7 +62,12 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_engine_is_token_exact_with_each_backend(reference, backend):   # noqa: F811
     folder, prompts, expected = reference
+    from twostep.kernels import paged_attention
+    from twostep.layers.cpu_paged_attention import CPUPagedAttention
+
     engine = engine_for(folder, attention_backend=backend, max_num_batched_tokens=40)
+    uses_kernel = isinstance(engine.runner.backend, CPUPagedAttention)
+    assert uses_kernel == (backend == "auto" and paged_attention() is not None)
     assert [o.outputs[0].token_ids for o in run_all(engine, prompts)] == expected
 
 

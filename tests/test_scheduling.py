@@ -18,6 +18,16 @@ def reference(tiny_model_dir):
     return folder, prompts, [hf_greedy(hf, p, 32) for p in prompts]
 
 
+def nan_filled_kv_cache(*args, **kwargs):
+    """allocate_kv_cache with every value NaN: the worst garbage an uninitialised cache can hold."""
+    from twostep.kv.cache_tensors import allocate_kv_cache
+
+    caches = allocate_kv_cache(*args, **kwargs)
+    for cache in caches:
+        cache.values.fill_(float("nan"))
+    return caches
+
+
 def run_all(engine, prompts, params=GREEDY, check_every_step=True):
     """Drive the engine step by step, checking block accounting after every step."""
     ids = [engine.add_request(p, params) for p in prompts]
@@ -147,15 +157,8 @@ def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
     """The cache is allocated uninitialised: simulate the worst garbage (NaN everywhere);
     padding reads must not let it through."""
     import twostep.core.engine as engine_module
-    from twostep.kv.cache_tensors import allocate_kv_cache
 
-    def nan_cache(*args, **kwargs):
-        caches = allocate_kv_cache(*args, **kwargs)
-        for cache in caches:
-            cache.values.fill_(float("nan"))
-        return caches
-
-    monkeypatch.setattr(engine_module, "allocate_kv_cache", nan_cache)
+    monkeypatch.setattr(engine_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference
     engine = engine_for(folder, max_num_batched_tokens=64)
     outs = run_all(engine, prompts)

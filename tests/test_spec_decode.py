@@ -11,7 +11,7 @@ import torch
 
 from conftest import load_hf, make_tiny_model
 from test_models import engine_for, random_prompts
-from test_scheduling import GREEDY, reference, run_all  # noqa: F401  (reference is a fixture)
+from test_scheduling import GREEDY, nan_filled_kv_cache, reference, run_all  # noqa: F401  (reference is a fixture)
 from twostep import SamplingParams
 from twostep.core.sampler import Sampler, SamplingRow
 from twostep.spec_decode.config import SpeculativeConfig
@@ -397,15 +397,8 @@ def test_garbage_in_the_drafts_unwritten_blocks_never_leaks(reference, monkeypat
     """The draft reserves blocks for drafts 2..k before writing them, and batched steps read them
     (masked) for shorter sequences: NaN there must not reach the drafts."""
     import twostep.spec_decode.draft_model as draft_module
-    from twostep.kv.cache_tensors import allocate_kv_cache
 
-    def nan_cache(*args, **kwargs):
-        caches = allocate_kv_cache(*args, **kwargs)
-        for cache in caches:
-            cache.values.fill_(float("nan"))
-        return caches
-
-    monkeypatch.setattr(draft_module, "allocate_kv_cache", nan_cache)
+    monkeypatch.setattr(draft_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference
     engine = engine_for(folder, speculative_config=draft_config(folder, 4), block_size=2)
     outs = run_all(engine, prompts)

@@ -16,6 +16,22 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// Calls fn(j, x) for each position j < len of one sequence's K (or V) head h, x being its vector
+// converted to float, walking the block table: the cache is read where it lies.
+template <typename T, typename Fn>
+inline void for_each_position(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                              int64_t token_stride, int64_t h, int64_t dim, float* x, Fn fn) {
+  for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+    const T* block = cache + table[j0 / block_size] * block_size * token_stride + h * dim;
+    const int64_t n = std::min(block_size, len - j0);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* p = block + t * token_stride;
+      for (int64_t d = 0; d < dim; ++d) x[d] = to_float(p[d]);
+      fn(j0 + t, x);
+    }
+  }
+}
+
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
 // DIM == 0: any head size, given at run time.
 template <typename T, int64_t DIM>
@@ -34,7 +50,7 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[b], nq = q_lens[b], rows = nq * group;
-      scores.assign(rows * len, 0.0f);
+      scores.resize(rows * len);                           // every entry is written below
       queries.resize(rows);
       outs.resize(rows);
       limits.resize(rows);
@@ -45,22 +61,16 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
         limits[r] = len - nq + i;
       }
       const int64_t* table = tables + b * table_stride;
-      // scores = q . k over every key, block by block, K read in place
-      for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const T* block = k_cache + table[j0 / block_size] * block_size * token_stride + h * dim;
-        const int64_t n = std::min(block_size, len - j0);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* kp = block + t * token_stride;
-          for (int64_t d = 0; d < dim; ++d) key[d] = to_float(kp[d]);
-          const int64_t j = j0 + t;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* qp = queries[r];
-            float s = 0.0f;
-            for (int64_t d = 0; d < dim; ++d) s += qp[d] * key[d];
-            scores[r * len + j] = j <= limits[r] ? s * scale : -std::numeric_limits<float>::infinity();
-          }
+      // scores = q . k over every key
+      for_each_position(k_cache, table, len, block_size, token_stride, h, dim, key.data(),
+                        [&](int64_t j, const float* k) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qp = queries[r];
+          float s = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) s += qp[d] * k[d];
+          scores[r * len + j] = j <= limits[r] ? s * scale : -std::numeric_limits<float>::infinity();
         }
-      }
+      });
       for (int64_t r = 0; r < rows; ++r) {                 // softmax over the keys a row may see
         float* s = scores.data() + r * len;
         const int64_t n = limits[r] + 1;
@@ -72,21 +82,15 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
         for (int64_t j = 0; j < n; ++j) s[j] *= inv;
         for (int64_t j = n; j < len; ++j) s[j] = 0.0f;
       }
-      // out = sum_j p_j v_j, V read in place
-      for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const T* block = v_cache + table[j0 / block_size] * block_size * token_stride + h * dim;
-        const int64_t n = std::min(block_size, len - j0);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* vp = block + t * token_stride;
-          for (int64_t d = 0; d < dim; ++d) key[d] = to_float(vp[d]);
-          const int64_t j = j0 + t;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float p = scores[r * len + j];
-            float* o = outs[r];
-            for (int64_t d = 0; d < dim; ++d) o[d] += p * key[d];
-          }
+      // out = sum_j p_j v_j
+      for_each_position(v_cache, table, len, block_size, token_stride, h, dim, key.data(),
+                        [&](int64_t j, const float* v) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = scores[r * len + j];
+          float* o = outs[r];
+          for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
         }
-      }
+      });
     }
   });
 }

@@ -46,6 +46,13 @@ class DecodeBatch:
     query_lens: torch.Tensor         # [B] new tokens of each sequence (int64)
     seq_lens: torch.Tensor           # [B] its context after this step (int64)
 
+    def scatter(self, out: torch.Tensor, o: torch.Tensor) -> None:
+        """Write per-query results o [B * Q, H, D] to the queries' rows of out, padding dropped."""
+        index = self.index.reshape(-1)
+        if self.valid is not None:
+            o, index = o[self.valid], index[self.valid]
+        out[index] = o.to(out.dtype)
+
     @staticmethod
     def build(rows: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int],
               block_tables: torch.Tensor, block_size: int) -> "DecodeBatch":
@@ -121,11 +128,7 @@ class ReferenceAttention:
             scores.masked_fill_(~d.mask.repeat(1, 1, group, 1), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, _heads_first(values, torch.float32))  # [B, Hkv, G*Q, D]
-        o = o.view(b, kv_heads, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(b * nq, -1, dim)
-        index = d.index.reshape(-1)
-        if d.valid is not None:
-            o, index = o[d.valid], index[d.valid]
-        out[index] = o.to(out.dtype)
+        d.scatter(out, o.view(b, kv_heads, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(b * nq, -1, dim))
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, out) -> None:
         start, qlen, slen = meta.query_start_loc[row], meta.query_lens[row], meta.seq_lens[row]

@@ -25,8 +25,4 @@ class CPUPagedAttention(ReferenceAttention):
     def kernel_decode(self, q, kv_cache, d: DecodeBatch, scale, out) -> None:
         o = self.kernel.paged_decode_attention(q.float().contiguous(), d.index, d.query_lens,
                                                kv_cache.values, d.tables, d.seq_lens, scale)
-        o = o.view(-1, *q.shape[1:])
-        index = d.index.reshape(-1)
-        if d.valid is not None:
-            o, index = o[d.valid], index[d.valid]
-        out[index] = o.to(out.dtype)
+        d.scatter(out, o.view(-1, *q.shape[1:]))

@@ -71,13 +71,11 @@ class RejectionSampler:
 
     def _target_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
         """Normalised distributions of the sampled rows, zeros for greedy ones."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        sampled, p = sampled_probs(self.sampler, x, rows)
         if not sampled:
             return None
         probs = torch.zeros_like(x)
-        idx = torch.tensor(sampled, device=x.device)
-        p = self.sampler.filtered_probs(x[idx], [rows[i] for i in sampled])
-        probs[idx] = p / p.sum(dim=-1, keepdim=True)
+        probs[torch.tensor(sampled, device=x.device)] = p
         return probs
 
     def _verify_sampled(self, d: DraftRow, p: torch.Tensor) -> Verified:
@@ -134,16 +132,22 @@ def draft_sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]
     x = apply_penalties(logits.float(), rows)
     tokens = x.argmax(dim=-1).tolist()
     dists: list[torch.Tensor | None] = [None] * len(rows)
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        idx = torch.tensor(sampled, device=x.device)
-        p = sampler.filtered_probs(x[idx], [rows[i] for i in sampled])
-        p = p / p.sum(dim=-1, keepdim=True)
-        for j, i in enumerate(sampled):
-            gen = rows[i].generator if rows[i].generator is not None else sampler.generator
-            tokens[i] = _draw(p[j], gen)
-            dists[i] = p[j]
+    sampled, p = sampled_probs(sampler, x, rows)
+    for j, i in enumerate(sampled):
+        gen = rows[i].generator if rows[i].generator is not None else sampler.generator
+        tokens[i] = _draw(p[j], gen)
+        dists[i] = p[j]
     return tokens, dists
+
+
+def sampled_probs(sampler: Sampler, x: torch.Tensor, rows: list[SamplingRow]
+                  ) -> tuple[list[int], torch.Tensor | None]:
+    """The rows that sample (not greedy) and their normalised distributions, given penalised logits."""
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not sampled:
+        return sampled, None
+    p = sampler.filtered_probs(x[torch.tensor(sampled, device=x.device)], [rows[i] for i in sampled])
+    return sampled, p / p.sum(dim=-1, keepdim=True)
 
 
 def _verify_greedy(drafts: list[int], argmax: list[int]) -> Verified:
