@@ -193,7 +193,8 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
     logits, tokens = {}, {}
     for packed in (False, True):
         engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory="4MiB",
-                                        cpu_prepack_weights=packed, enable_prefix_caching=False))
+                                        cpu_prepack_weights=packed, cpu_gemv=False,
+                                        enable_prefix_caching=False))
         assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) == packed
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

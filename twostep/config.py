@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # auto (= model dtype) | bfloat16 | float16 | float32 | int8 | fp8_e4m3 | fp8_e5m2
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
+    cpu_gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
     max_n: int = 128                       # the most completions one request may ask for

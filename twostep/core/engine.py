@@ -23,7 +23,7 @@ from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cac
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import get_attention_backend
 from twostep.layers.kv_storage import kv_format
-from twostep.layers.linear import can_prepack, prepack_linears
+from twostep.models.cpu_kernels import apply_cpu_kernels
 from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
 from twostep.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from twostep.sampling_params import SamplingParams
@@ -60,8 +60,9 @@ class LLMEngine:
         self.tokenizer = _make_tokenizer(ckpt)
         self.max_model_len = _max_model_len(config, ckpt.config)
         self.model = build_model(ckpt, self.dtype, self.device, self.max_model_len)
-        if config.cpu_prepack_weights and can_prepack(self.dtype, self.device):
-            logger.info("pre-packed %d linear layers for oneDNN", prepack_linears(self.model))
+        for line in apply_cpu_kernels(self.model, self.dtype, self.device, config.cpu_prepack_weights,
+                                      config.cpu_gemv):
+            logger.info(line)
         self.generation_config = dict(ckpt.generation_config or {})
         del ckpt
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model_config, self.model_path)
@@ -84,7 +85,7 @@ class LLMEngine:
             self.spec_config, TargetShape(self.dtype, self.device, self.model_config.vocab_size,
                                           self.max_model_len, config.block_size, self.kv_plan.num_blocks,
                                           config.max_num_batched_tokens, config.attention_backend,
-                                          config.cpu_prepack_weights),
+                                          config.cpu_prepack_weights, config.cpu_gemv),
             sampler)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "reference", "cpu_paged"],
                    help="auto: the C++ paged decode kernel on CPU where it builds, else PyTorch (reference)")
+    p.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=d.cpu_gemv,
+                   help="bf16 on CPU: batch-1 linears through the C++ matrix-vector kernel, which keeps a "
+                        "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
@@ -68,7 +71,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
     )
 
 

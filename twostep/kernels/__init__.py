@@ -9,19 +9,40 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Vectorise the float reductions without -ffast-math's finite-math assumption (scores use -inf).
+# -fopenmp: at::parallel_for is OpenMP in torch's headers; without the flag it runs on one thread.
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-           "-fno-trapping-math"]
+           "-fno-trapping-math", "-fopenmp"]
+
+
+def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
+    """Build (or reuse the cached build of) one kernel; None when it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name, [str(Path(__file__).with_name(source))], extra_cflags=[*_CFLAGS, *cflags],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
+        logger.warning("C++ kernel %s unavailable (%s: %s); using PyTorch instead", source,
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
 
 
 @functools.lru_cache(maxsize=None)
 def paged_attention():
     """The paged decode-attention extension module, or None when it cannot be built here."""
-    try:
-        from torch.utils.cpp_extension import load
+    return _load("twostep_paged_attention", "paged_attention.cpp")
 
-        return load("twostep_paged_attention", [str(Path(__file__).with_name("paged_attention.cpp"))],
-                    extra_cflags=_CFLAGS, verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
-        logger.warning("paged attention kernel unavailable (%s: %s); using the PyTorch backend",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
+
+@functools.lru_cache(maxsize=None)
+def linear_bf16():
+    """The bf16 matrix-vector extension module, or None where it cannot be built or this CPU has no
+    AVX512-BF16 (the build targets the machine it runs on)."""
+    module = _load("twostep_linear_bf16", "linear_bf16.cpp")
+    return module if module is not None and module.available() else None
+
+
+@functools.lru_cache(maxsize=None)
+def elementwise():
+    """RMSNorm and rotary embedding as one call each, or None when it cannot be built here.
+    -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do."""
+    return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off",))

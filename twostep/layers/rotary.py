@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +47,27 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
         self.sin = emb.sin()
+        self.kernel = None            # the elementwise C++ module, when the model runs on CPU
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and sin for these positions, [T, 1, D]: computed once per step, used by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
+                          self.sin[positions].unsqueeze(1).to(dtype), self.kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeTables:
+    """cos and sin [T, 1, D] of one step's positions, shared by every layer; kernel: the elementwise
+    C++ module (one call per tensor, bit-identical to apply_rotary) or None."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernel: object = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is None:
+            return apply_rotary(q, k, self.cos, self.sin)
+        return self.kernel.rotary(q, self.cos, self.sin), self.kernel.rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

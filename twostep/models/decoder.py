@@ -13,7 +13,7 @@ from torch import nn
 
 from twostep.layers.attention import AttentionBackend, AttentionMetadata
 from twostep.layers.norm import RMSNorm
-from twostep.layers.rotary import RotaryEmbedding, apply_rotary
+from twostep.layers.rotary import RopeTables, RotaryEmbedding
 from twostep.models.config import ModelConfig
 
 
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: RopeTables,
                 kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
                 ) -> torch.Tensor:
         t = x.shape[0]
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = rope.apply(q, k)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -93,6 +93,13 @@ class DecoderForCausalLM(nn.Module):
         c = self.config
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device,
                                       c.rope_freq_factors)
+
+    def use_elementwise_kernel(self, kernel) -> None:
+        """RMSNorm (bf16) and rotary as one C++ call each (twostep/kernels/elementwise.cpp)."""
+        self.rotary.kernel = kernel
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.kernel = kernel
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -24,7 +24,7 @@ from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.attention import get_attention_backend
 from twostep.layers.kv_storage import kv_format
-from twostep.layers.linear import can_prepack, prepack_linears
+from twostep.models.cpu_kernels import apply_cpu_kernels
 from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
 from twostep.spec_decode.config import SpeculativeConfig
 from twostep.spec_decode.rejection import draft_sample
@@ -45,6 +45,7 @@ class TargetShape:
     max_num_batched_tokens: int = 2048   # the most unseen tokens the draft computes in a step
     attention_backend: str = "auto"
     prepack: bool = True
+    gemv: bool = True
 
 
 @dataclass(slots=True)
@@ -65,8 +66,7 @@ class DraftModelProposer:
         self.max_model_len = min(target.max_model_len, mc.max_position_embeddings)
         model = build_model(ckpt, dtype, target.device, self.max_model_len)
         del ckpt
-        if target.prepack and can_prepack(dtype, target.device):
-            prepack_linears(model)
+        apply_cpu_kernels(model, dtype, target.device, target.prepack, target.gemv)
         per_token = kv_format("auto").bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
         plan = KVCachePlan(target.num_blocks, target.block_size, per_token,
                            kv_dtype=str(dtype).removeprefix("torch."))

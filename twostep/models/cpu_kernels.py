@@ -1,0 +1,27 @@
+"""The CPU fast paths a loaded model takes, in one place for the engine and the draft model:
+oneDNN pre-packed bf16 linears, the C++ matrix-vector kernel for 1-3 row inputs, and RMSNorm (bf16)
+and rotary as one C++ call each. Each is used only where it builds and works here."""
+from __future__ import annotations
+
+import torch
+
+from twostep.kernels import elementwise
+from twostep.layers.linear import can_prepack, gemv_kernel, prepack_linears
+from twostep.models.decoder import DecoderForCausalLM
+
+
+def apply_cpu_kernels(model: DecoderForCausalLM, dtype: torch.dtype, device: torch.device,
+                      prepack: bool = True, gemv: bool = True) -> list[str]:
+    """Switch the model to the fast paths; returns what was switched on, for the log."""
+    if device.type != "cpu":
+        return []
+    done = []
+    if prepack and can_prepack(dtype, device):
+        kernel = gemv_kernel(gemv)
+        done.append(f"{prepack_linears(model, kernel)} linears pre-packed for oneDNN"
+                    + (" (1-3 row inputs: C++ matrix-vector kernel, row-major weights kept)" if kernel else ""))
+    kernel = elementwise()
+    if kernel is not None:
+        model.use_elementwise_kernel(kernel)
+        done.append("RMSNorm (bf16) and rotary: C++ kernel")
+    return done
