@@ -63,8 +63,12 @@ def test_kernel_rejects_bad_shapes():
     kernel = kernel_or_skip()
     with pytest.raises(RuntimeError, match="hidden"):
         kernel.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="hidden"):
+        kernel.rms_norm(torch.randn(2, 0), torch.ones(0), 1e-6)
     with pytest.raises(RuntimeError, match="even"):
         kernel.rotary(torch.randn(2, 1, 7), torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        kernel.rotary(torch.randn(2, 1, 8), torch.randn(2, 1, 4), torch.randn(2, 1, 4))
 
 
 def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
@@ -75,3 +79,29 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
                                     kv_cache_memory="4MiB"))
     assert engine.model.rotary.kernel is kernel
     assert all(m.kernel is kernel for m in engine.model.modules() if isinstance(m, RMSNorm))
+
+
+def test_bf16_rms_norm_of_a_strided_view_as_qwen3s_q_norm():
+    kernel = kernel_or_skip()
+    qkv = torch.randn(5, 3 * 4 * 32).to(torch.bfloat16)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)                     # a view with a gap between tokens
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = norm.weight.data.to(torch.bfloat16)
+    want = norm(q.contiguous())
+    norm.kernel = kernel
+    got = norm(q)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
+
+
+def test_float16_on_cpu_keeps_the_torch_ops(tiny_model_dir):
+    """The kernels cover float32 and bfloat16; a float16 model must still run (on the torch ops)."""
+    from twostep import EngineConfig, LLMEngine, SamplingParams
+
+    kernel_or_skip()
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float16",
+                                    kv_cache_memory="4MiB"))
+    engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert len(done[0].outputs[0].token_ids) == 3

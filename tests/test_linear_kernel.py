@@ -57,6 +57,9 @@ def test_kernel_keeps_leading_dimensions_and_rejects_bad_input():
         kernel.linear_bf16(torch.randn(1, 39).to(torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel.linear_bf16(x, w.t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear_bf16(x, w, torch.ones(15).to(torch.bfloat16))
+    assert kernel.linear_bf16(torch.empty(0, 40, dtype=torch.bfloat16), w, None).shape == (0, 16)
 
 
 def test_packed_linear_routes_few_rows_to_the_kernel():

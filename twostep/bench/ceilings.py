@@ -50,13 +50,17 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 
 def gemv_bandwidth(rows: int = 8192, cols: int = 4096, reps: int = 20) -> float:
-    """bf16 weight [rows, cols] times one row, through PackedLinear where the CPU allows."""
+    """bf16 weight [rows, cols] times one row, as the engine computes it: PackedLinear (with the C++
+    matrix-vector kernel where it builds) where the CPU allows."""
     from torch import nn
 
-    from twostep.layers.linear import PackedLinear, can_prepack
+    from twostep.layers.linear import PackedLinear, can_prepack, gemv_kernel
 
     linear = nn.Linear(cols, rows, bias=False, dtype=torch.bfloat16)
-    layer = PackedLinear.from_linear(linear) if can_prepack(torch.bfloat16, torch.device("cpu")) else linear
+    if can_prepack(torch.bfloat16, torch.device("cpu")):
+        layer = PackedLinear.from_linear(linear, gemv_kernel(True))
+    else:
+        layer = linear
     x = torch.randn(1, cols, dtype=torch.bfloat16)
     with torch.inference_mode():
         seconds = _median_seconds(lambda: layer(x), reps)

@@ -9,22 +9,27 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Vectorise the float reductions without -ffast-math's finite-math assumption (scores use -inf).
-# -fopenmp: at::parallel_for is OpenMP in torch's headers; without the flag it runs on one thread.
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-           "-fno-trapping-math", "-fopenmp"]
+           "-fno-trapping-math"]
+# at::parallel_for is OpenMP in torch's headers: without this flag a kernel runs on one thread.
+_OPENMP = "-fopenmp"
 
 
 def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
-    """Build (or reuse the cached build of) one kernel; None when it cannot be built here."""
-    try:
-        from torch.utils.cpp_extension import load
+    """Build (or reuse the cached build of) one kernel; None when it cannot be built here. A compiler
+    without OpenMP gets a second, single-threaded try."""
+    path = str(Path(__file__).with_name(source))
+    error = None
+    for suffix, flags in (("", [_OPENMP]), ("_serial", [])):
+        try:
+            from torch.utils.cpp_extension import load
 
-        return load(name, [str(Path(__file__).with_name(source))], extra_cflags=[*_CFLAGS, *cflags],
-                    verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
-        logger.warning("C++ kernel %s unavailable (%s: %s); using PyTorch instead", source,
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
+            return load(name + suffix, [path], extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
+            error = e
+    logger.warning("C++ kernel %s unavailable (%s: %s); using PyTorch instead", source,
+                   type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,5 +49,6 @@ def linear_bf16():
 @functools.lru_cache(maxsize=None)
 def elementwise():
     """RMSNorm and rotary embedding as one call each, or None when it cannot be built here.
-    -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do."""
-    return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off",))
+    -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do (and
+    signed zeros kept)."""
+    return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))

@@ -34,8 +34,10 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t di
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dtype() == weight.dtype(), "x and weight must share a dtype");
-  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must be [hidden]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) > 0 && x.size(-1) == weight.size(0),
+              "weight must be [hidden] with x's last dimension");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = torch::empty_like(xc);
@@ -71,9 +73,12 @@ void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
 }
 
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.is_cpu() && cos.is_cpu() && sin.is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim], head_dim contiguous");
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(cos.size(-1) == dim && sin.size(-1) == dim && cos.numel() == tokens * dim &&
+              sin.numel() == tokens * dim, "cos/sin must be [tokens, 1, head_dim]");
   auto c = cos.reshape({tokens, dim}).contiguous();
   auto s = sin.reshape({tokens, dim}).contiguous();
   TORCH_CHECK(c.dtype() == x.dtype() && s.dtype() == x.dtype(), "cos/sin must have x's dtype");

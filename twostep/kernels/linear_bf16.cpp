@@ -87,9 +87,10 @@ void linear_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
 
 #endif  // TWOSTEP_HAVE_BF16_DOT
 
+// Built for the machine it runs on, but a cached build can meet another CPU: ask this one too.
 bool available() {
 #ifdef TWOSTEP_HAVE_BF16_DOT
-  return true;
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
 #else
   return false;
 #endif
@@ -98,9 +99,11 @@ bool available() {
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
                           const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(available(), "built without AVX512-BF16");
+  TORCH_CHECK(x.is_cpu() && w.is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bfloat16 only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous [N, K] matrix");
   const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K > 0, "weight has no columns");
   TORCH_CHECK(x.size(-1) == K, "input has ", x.size(-1), " features, weight ", K);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -110,7 +113,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
   const uint16_t* b = nullptr;
   torch::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kBFloat16 && bias->numel() == N, "bias must be bf16 [N]");
+    TORCH_CHECK(bias->is_cpu() && bias->dtype() == torch::kBFloat16 && bias->numel() == N,
+                "bias must be a bf16 CPU tensor [N]");
     bias_c = bias->contiguous();
     b = reinterpret_cast<const uint16_t*>(bias_c.data_ptr());
   }

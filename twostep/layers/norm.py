@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.kernel = None            # the elementwise kernel module, used for bf16 inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.bfloat16:
+        if self.kernel is not None and x.dtype == self.weight.dtype == torch.bfloat16:
             return self.kernel.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast before the weight multiply: the same rounding point as
         # HF, so bf16 logits agree too. F.rms_norm fuses the reduction (fewer ops per layer).

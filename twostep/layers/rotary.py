@@ -65,7 +65,7 @@ class RopeTables:
     kernel: object = None
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel is None:
+        if self.kernel is None or q.dtype not in (torch.float32, torch.bfloat16):
             return apply_rotary(q, k, self.cos, self.sin)
         return self.kernel.rotary(q, self.cos, self.sin), self.kernel.rotary(k, self.cos, self.sin)
 
