@@ -2,34 +2,170 @@
 // padding, no conversion copies). One task per (sequence, KV head); each task handles the G query
 // heads that share that KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a
 // causal limit). Scores, softmax and the weighted sum of V are computed in float32.
+//
+// Keys and values are taken 16 positions at a time into a float tile. Per query row, the 16 scores
+// of a tile come from 16 vectorised dot products whose horizontal sums are folded together in one
+// shuffle tree (instead of 16 separate reductions), the softmax runs over whole vectors, and the
+// values are accumulated into the row's output held in registers. With AVX-512 and a head size that
+// is a multiple of 16 this is intrinsics; otherwise the same steps as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TWOSTEP_AVX512 1
+#endif
+
 namespace {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
+constexpr int64_t TILE = 16;   // positions per tile
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// Calls fn(j, x) for each position j < len of one sequence's K (or V) head h, x being its vector
-// converted to float, walking the block table: the cache is read where it lies.
-template <typename T, typename Fn>
-inline void for_each_position(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
-                              int64_t token_stride, int64_t h, int64_t dim, float* x, Fn fn) {
-  for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-    const T* block = cache + table[j0 / block_size] * block_size * token_stride + h * dim;
-    const int64_t n = std::min(block_size, len - j0);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* p = block + t * token_stride;
-      for (int64_t d = 0; d < dim; ++d) x[d] = to_float(p[d]);
-      fn(j0 + t, x);
-    }
+// One key or value vector to float32 (the bf16 case as the bit shift it is, which vectorises).
+inline void to_float(const float* p, float* x, int64_t dim) { std::memcpy(x, p, dim * sizeof(float)); }
+inline void to_float(const at::BFloat16* p, float* x, int64_t dim) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
+  for (int64_t d = 0; d < dim; ++d) {
+    const uint32_t u = static_cast<uint32_t>(bits[d]) << 16;
+    std::memcpy(x + d, &u, sizeof u);
   }
+}
+
+// A position's place in the cache, walking the block table one position at a time.
+struct Cursor {
+  int64_t block = 0, offset = 0;              // position = block * block_size + offset
+  void advance(int64_t block_size) {
+    if (++offset == block_size) { offset = 0; ++block; }
+  }
+};
+
+// Calls fn(j, n, tile) for positions j, j + 16, ... < len of one sequence's K (or V) head h, tile
+// holding the n <= 16 vectors of positions [j, j + n) converted to float (rows past n zeroed),
+// walking the block table: the cache is read where it lies. Each position's vector is prefetched a
+// tile ahead (the heads of a position are interleaved, so a head's vectors are strided).
+template <typename T, typename Fn>
+inline void for_each_tile(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                          int64_t token_stride, int64_t h, int64_t dim, float* tile, Fn fn) {
+  const auto at = [&](const Cursor& c) { return cache + (table[c.block] * block_size + c.offset) * token_stride + h * dim; };
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  Cursor now, ahead;
+  for (int64_t p = 0; p < std::min(TILE, len); ++p) ahead.advance(block_size);
+  for (int64_t j = 0; j < len; j += TILE) {
+    const int64_t n = std::min(TILE, len - j);
+    for (int64_t t = 0; t < n; ++t) {
+      if (j + t + TILE < len) {
+        const char* next = reinterpret_cast<const char*>(at(ahead));
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
+        ahead.advance(block_size);
+      }
+      to_float(at(now), tile + t * dim, dim);
+      now.advance(block_size);
+    }
+    std::fill(tile + n * dim, tile + TILE * dim, 0.0f);
+    fn(j, n, tile);
+  }
+}
+
+// e^x for the softmax's x <= 0, branch-free so that loops over it vectorise (std::exp is a scalar
+// call): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial (about 1 ulp), 2^n put
+// straight into the exponent bits. Below -87 (and for -inf), 0.
+inline float exp_nonpositive(float x) {
+  const float c = std::max(x, -87.0f);
+  const float n = std::floor(c * 1.44269504088896341f + 0.5f);
+  const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+#ifdef TWOSTEP_AVX512
+// out[t] = sum of v[t]'s 16 lanes, for 16 vectors: one shuffle tree for all of them.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)           // per 128-bit lane: pair sums of v[2i], v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)           // per 128-bit lane L: lane-L sums of v[4i .. 4i+3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// scores[t] = scale * q . tile[t] for the 16 positions of a tile
+template <int64_t DIM>
+inline void tile_scores(const float* q, const float* tile, int64_t dim, float scale, float* scores) {
+#ifdef TWOSTEP_AVX512
+  if constexpr (DIM > 0 && DIM % 16 == 0) {
+    __m512 qv[DIM / 16], acc[TILE];
+    for (int64_t c = 0; c < DIM / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t t = 0; t < TILE; ++t) {
+      acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(tile + t * DIM));
+      for (int64_t c = 1; c < DIM / 16; ++c)
+        acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(tile + t * DIM + 16 * c), acc[t]);
+    }
+    _mm512_storeu_ps(scores, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < TILE; ++t) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) s += q[d] * tile[t * dim + d];
+    scores[t] = s * scale;
+  }
+}
+
+// o += sum over t < n of p[t] * tile[t]
+template <int64_t DIM>
+inline void tile_accumulate(float* o, const float* p, const float* tile, int64_t n, int64_t dim) {
+#ifdef TWOSTEP_AVX512
+  if constexpr (DIM > 0 && DIM % 16 == 0) {
+    __m512 ov[DIM / 16];
+    for (int64_t c = 0; c < DIM / 16; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int64_t c = 0; c < DIM / 16; ++c)
+        ov[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(tile + t * DIM + 16 * c), ov[c]);
+    }
+    for (int64_t c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * tile[t * dim + d];
+}
+
+// In place: s[0, n) = softmax(s[0, n)), s[n, len) = 0.
+inline void softmax(float* s, int64_t n, int64_t len) {
+  float m = NEG_INF;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - m);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  std::fill(s + n, s + len, 0.0f);
 }
 
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
@@ -43,14 +179,15 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, key(dim);
+    std::vector<float> scores, tile(TILE * dim);
     std::vector<const float*> queries;
     std::vector<float*> outs;
     std::vector<int64_t> limits;                           // the last key each row may see
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[b], nq = q_lens[b], rows = nq * group;
-      scores.resize(rows * len);                           // every entry is written below
+      const int64_t stride = (len + TILE - 1) / TILE * TILE;   // a row of scores, whole tiles
+      scores.resize(rows * stride);                        // every entry is written below
       queries.resize(rows);
       outs.resize(rows);
       limits.resize(rows);
@@ -61,35 +198,14 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
         limits[r] = len - nq + i;
       }
       const int64_t* table = tables + b * table_stride;
-      // scores = q . k over every key
-      for_each_position(k_cache, table, len, block_size, token_stride, h, dim, key.data(),
-                        [&](int64_t j, const float* k) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qp = queries[r];
-          float s = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) s += qp[d] * k[d];
-          scores[r * len + j] = j <= limits[r] ? s * scale : -std::numeric_limits<float>::infinity();
-        }
+      for_each_tile(k_cache, table, len, block_size, token_stride, h, dim, tile.data(),
+                    [&](int64_t j, int64_t, const float* keys) {
+        for (int64_t r = 0; r < rows; ++r) tile_scores<DIM>(queries[r], keys, dim, scale, &scores[r * stride + j]);
       });
-      for (int64_t r = 0; r < rows; ++r) {                 // softmax over the keys a row may see
-        float* s = scores.data() + r * len;
-        const int64_t n = limits[r] + 1;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-        for (int64_t j = n; j < len; ++j) s[j] = 0.0f;
-      }
-      // out = sum_j p_j v_j
-      for_each_position(v_cache, table, len, block_size, token_stride, h, dim, key.data(),
-                        [&](int64_t j, const float* v) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = scores[r * len + j];
-          float* o = outs[r];
-          for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
-        }
+      for (int64_t r = 0; r < rows; ++r) softmax(&scores[r * stride], limits[r] + 1, len);
+      for_each_tile(v_cache, table, len, block_size, token_stride, h, dim, tile.data(),
+                    [&](int64_t j, int64_t n, const float* values) {
+        for (int64_t r = 0; r < rows; ++r) tile_accumulate<DIM>(outs[r], &scores[r * stride + j], values, n, dim);
       });
     }
   });

@@ -1,9 +1,9 @@
 """Decode attention on CPU through the C++ kernel in twostep/kernels/paged_attention.cpp: it reads
 each sequence's K/V blocks where they lie in the cache, instead of gathering them, padding them to
 the longest context and converting them. Measured per layer (benchmarks/bench_decode_attention.py,
-bf16, SmolLM2's 3 KV heads, 2 threads): 8 sequences of 1,000 tokens 0.64 ms against the
-reference's 1.39; 32 of 200 tokens 0.47 against 2.40; 8 sequences verifying 4 drafts each 1.9
-against 3.9. Prefill chunks, 8-bit caches and other dtypes take the reference path."""
+bf16, SmolLM2's 3 KV heads, 2 threads): 8 sequences of 1,000 tokens 0.30-0.38 ms against the
+reference's 1.3; 32 of 200 tokens 0.26 against 0.91; 8 sequences verifying 4 drafts each 0.79-0.83
+against 2.6-2.8. Prefill chunks, 8-bit caches and other dtypes take the reference path."""
 from __future__ import annotations
 
 import torch
