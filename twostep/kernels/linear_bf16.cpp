@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -61,13 +60,6 @@ inline void dot_row(const uint16_t* x, int64_t nm, int64_t K, const uint16_t* w,
   }
 }
 
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // Each thread streams a contiguous range of W's rows, one row at a time: one sequential stream per
 // thread is what the hardware prefetcher follows best (interleaving several rows measured slower).
 void linear_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
@@ -75,7 +67,7 @@ void linear_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
     float out[MAX_M];
     for (int64_t n = n0; n < n1; ++n) {
-      const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+      const float b = bias ? static_cast<float>(c10::BFloat16(bias[n], c10::BFloat16::from_bits())) : 0.0f;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {   // later passes find the row in cache
         const int64_t nm = std::min(MAX_M, M - m0);
         dot_row(x + m0 * K, nm, K, w + n * K, out);

@@ -44,10 +44,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         bias = None if linear.bias is None else linear.bias.detach()
-        if gemv is None:
-            return PackedLinear(packed, bias, linear.in_features, linear.out_features)
         return PackedLinear(packed, bias, linear.in_features, linear.out_features,
-                            weight.contiguous(), gemv)
+                            None if gemv is None else weight.contiguous(), gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.numel() <= GEMV_MAX_ROWS * self.in_features:
