@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_decode_attention.py
 
 Random bf16 cache in SmolLM2's shape (3 KV heads, 3 query heads each, head_dim 64, block 16); for
-each (batch, context, queries per sequence) both backends run the same DecodeBatch 20 times; ms per
+each (batch, context, queries per sequence) both decode paths run their own plan of the same batch 20 times; ms per
 call, medians of 3 rounds.
 """
 from __future__ import annotations
@@ -13,10 +13,12 @@ import time
 
 import torch
 
-from twostep.kernels import paged_attention
-from twostep.layers.attention import DecodeBatch, ReferenceAttention
-from twostep.layers.cpu_paged_attention import CPUPagedAttention
-from twostep.layers.kv_storage import KVLayerCache, kv_format
+from twostep.attention.kv_layer_cache import KVLayerCache
+from twostep.attention.metadata import AttentionMetadata
+from twostep.attention.paged_decode import PagedDecode
+from twostep.attention.reference import ReferenceDecode
+from twostep.config import kv_format
+from twostep.platforms import get_platform
 
 CASES = [(1, 128, 1), (1, 2000, 1), (8, 128, 1), (8, 1000, 1), (32, 200, 1), (8, 1000, 5)]
 
@@ -30,10 +32,10 @@ def time_ms(fn, n: int = 20) -> float:
 
 
 def main() -> None:
-    kernel = paged_attention()
+    kernel = get_platform(torch.device("cpu")).paged_decode_attention(torch.bfloat16, False)
     if kernel is None:
         raise SystemExit("the C++ kernel could not be built here")
-    backends = {"reference": ReferenceAttention(), "cpu_paged": CPUPagedAttention(kernel)}
+    decoders = {"reference": ReferenceDecode(), "cpu_paged": PagedDecode(kernel)}
     kv_heads, group, dim, bs = 3, 3, 64, 16
     for batch, length, nq in CASES:
         blocks = -(-length // bs)
@@ -42,10 +44,12 @@ def main() -> None:
         table = (torch.arange(batch * blocks) + 1).view(batch, blocks)
         starts = [i * nq for i in range(batch + 1)]
         q = torch.randn(batch * nq, kv_heads * group, dim).bfloat16()
-        d = DecodeBatch.build(list(range(batch)), starts, [nq] * batch, [length] * batch, table, bs)
+        common = AttentionMetadata(starts, [nq] * batch, [length] * batch,
+                                   torch.empty(0, dtype=torch.int64), table, bs, [True] * batch)
         out = torch.empty_like(q)
-        calls = {"reference": lambda: backends["reference"]._decode(q, cache, d, 0.125, out),
-                 "cpu_paged": lambda: backends["cpu_paged"].kernel_decode(q, cache, d, 0.125, out)}
+        plans = {name: dec.build(common, list(range(batch))) for name, dec in decoders.items()}
+        calls = {name: (lambda dec=dec, plan=plans[name]: dec.forward(q, cache, plan, 0.125, out))
+                 for name, dec in decoders.items()}
         ms = {name: statistics.median(time_ms(fn) for _ in range(3)) for name, fn in calls.items()}
         print(f"batch {batch:>2}, context {length:>5}, queries {nq}: reference {ms['reference']:.3f} ms, "
               f"cpu_paged {ms['cpu_paged']:.3f} ms ({ms['reference'] / ms['cpu_paged']:.2f}x)", flush=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from twostep.kernels import linear_bf16
-from twostep.layers.linear import PackedLinear, _linear_of
+from twostep.platforms.cpu.linear import packed_linear
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]   # qkv, o, gate_up, down
 LAYERS, LM_HEAD = 24, (151936, 896)
@@ -33,7 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
     weights.append(torch.randn(*LM_HEAD).to(torch.bfloat16))
-    packed = [PackedLinear.from_linear(_linear_of(w)) for w in weights]
+    packed = [packed_linear(w) for w in weights]
     nbytes = sum(w.numel() * 2 for w in weights)
     flat = torch.ones(nbytes // 2, dtype=torch.bfloat16)
     print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of bf16 weights; kernel: "

@@ -12,7 +12,7 @@ from twostep.analysis import (MODEL_PRESETS, Hardware, analyze, decode_intensity
                               plot_roofline, prefill_intensity)
 from twostep.analysis.plot import DECODE_GID, PREFILL_GID
 from twostep.analysis.roofline import intensity
-from twostep.entrypoints.cli import main
+from twostep.cli import main
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -263,7 +263,7 @@ def test_measure_sets_the_engine_beside_the_bounds(tiny_model_dir, capsys):
 
     from twostep.analysis.hardware import find_hardware
     from twostep.analysis.measure import measure
-    from twostep.entrypoints.cli import main
+    from twostep.cli import main
 
     folder = str(tiny_model_dir("llama"))
     result, points = measure(folder, find_hardware("this"), prompt_lengths=(16, 64), batch_sizes=(1, 4),
@@ -281,7 +281,7 @@ def test_measure_sets_the_engine_beside_the_bounds(tiny_model_dir, capsys):
 
 @pytest.mark.slow
 def test_measured_hardware(capsys):
-    from twostep.entrypoints.cli import main
+    from twostep.cli import main
 
     assert main(["analyze", "smollm2-135m", "--hardware", "measured", "--json"]) == 0
     import json

@@ -7,7 +7,7 @@ import pytest
 
 from twostep.bench import workloads
 from twostep.bench.stats import mean, percentile
-from twostep.entrypoints.cli import main
+from twostep.cli import main
 
 
 def test_workloads_are_seeded_and_within_their_ranges():
@@ -66,7 +66,7 @@ def test_bench_commands_run(tiny_model_dir, capsys, tmp_path):
 
 
 def test_ceilings_measure_and_bound_a_model():
-    from twostep.bench.ceilings import (Ceilings, format_ceilings, gemv_bandwidth, matmul_flops,
+    from twostep.analysis.ceilings import (Ceilings, format_ceilings, gemv_bandwidth, matmul_flops,
                                         model_bounds, read_bandwidth)
     import torch
 

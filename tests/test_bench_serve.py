@@ -17,7 +17,7 @@ import pytest
 
 from twostep.bench import serve, workloads
 from twostep.bench.serve import DONE, RequestTiming, SSEParser, poisson_gaps, summarize
-from twostep.entrypoints.cli import main
+from twostep.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def server_url(tiny_model_dir, tmp_path_factory):
     folder = tiny_model_dir("qwen2")
     port = _free_port()
     log_path = tmp_path_factory.mktemp("bench-serve") / "server.log"
-    cmd = [sys.executable, "-m", "twostep.entrypoints.cli", "serve", "--model", str(folder),
+    cmd = [sys.executable, "-m", "twostep.cli", "serve", "--model", str(folder),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--kv-cache-memory", "16MiB", "--served-model-name", "tiny"]
     with open(log_path, "wb") as log:

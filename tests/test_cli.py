@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from twostep.entrypoints.cli import main
+from twostep.cli import main
 
 
 def test_generate_streams_and_summarises(tiny_model_dir, capsys):

@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from twostep.core.detokenizer import IncrementalDetokenizer
-from twostep.core.tokenizer import Tokenizer
+from twostep.tokenizer.detokenizer import IncrementalDetokenizer
+from twostep.tokenizer.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog. Stop here, please.",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from twostep.layers.norm import RMSNorm
-from twostep.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
+from twostep.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate_native
+from twostep.platforms.cpu.elementwise import elementwise_op
 
 
 def kernel_or_skip():
@@ -30,7 +31,7 @@ def test_rotary_is_bit_identical_to_the_torch_ops(dtype, tokens, heads, kv_heads
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     tables = rope.lookup(positions, dtype)
     want = apply_rotary(q, k, tables.cos, tables.sin)
-    got = RopeTables(tables.cos, tables.sin, kernel).apply(q, k)
+    got = RopeTables(tables.cos, tables.sin, kernel.rotary).apply(q, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -42,7 +43,7 @@ def test_bf16_rms_norm_is_within_one_rounding_of_the_torch_ops(shape):
     norm.weight.data = (torch.rand(shape[-1], generator=g) * 2).to(torch.bfloat16)
     x = (torch.randn(*shape, generator=g) * 5).to(torch.bfloat16)
     want = norm(x)
-    norm.kernel = kernel
+    assert norm.use(elementwise_op(kernel, "rms_norm", torch.bfloat16))
     got = norm(x)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     diff = (got.float() - want.float()).abs()
@@ -59,7 +60,7 @@ def test_float32_rms_norm_keeps_the_torch_ops():
     norm = RMSNorm(64, 1e-5)
     x = torch.randn(4, 64)
     want = norm(x)
-    norm.kernel = MustNotRun()
+    norm.use(elementwise_op(MustNotRun(), "rms_norm", torch.float32))
     assert torch.equal(norm(x), want)
 
 
@@ -81,8 +82,13 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
     kernel = kernel_or_skip()
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32",
                                     kv_cache_memory="4MiB"))
-    assert engine.model.rotary.kernel is kernel
-    assert all(m.kernel is kernel for m in engine.model.modules() if isinstance(m, RMSNorm))
+    norms = [m for m in engine.target.model.modules() if isinstance(m, RMSNorm)]
+    assert engine.target.model.rotary.impl is kernel.rotary
+    assert norms and all(m.impl is RMSNorm.forward_native for m in norms)     # float32: torch ops
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16",
+                                    kv_cache_memory="4MiB"))
+    assert engine.target.model.rotary.impl is kernel.rotary
+    assert all(m.impl is kernel.rms_norm for m in engine.target.model.modules() if isinstance(m, RMSNorm))
 
 
 def test_bf16_rms_norm_of_a_strided_view_as_qwen3s_q_norm():
@@ -92,7 +98,7 @@ def test_bf16_rms_norm_of_a_strided_view_as_qwen3s_q_norm():
     norm = RMSNorm(32, 1e-6)
     norm.weight.data = norm.weight.data.to(torch.bfloat16)
     want = norm(q.contiguous())
-    norm.kernel = kernel
+    norm.use(kernel.rms_norm)
     got = norm(q)
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
 

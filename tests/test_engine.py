@@ -67,8 +67,8 @@ def test_bad_input_is_refused_and_others_finish(llm):
     ids.append(engine.add_request(good[1], SamplingParams(temperature=0, max_tokens=8)))
     outs = finish_all(engine, ids)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
-    engine.kv.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    engine.scheduler.kv.check_integrity()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 def test_prompt_longer_than_the_whole_cache_is_refused(tiny_model_dir):
@@ -239,7 +239,7 @@ def test_n_completions_per_prompt(llm):
         final = o
     assert joined == [c.text for c in final.outputs]
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
 
 
 def test_abort_of_a_parent_aborts_every_child(llm):
@@ -281,6 +281,6 @@ def test_ids_of_n_children_cannot_collide(llm):
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=3), request_id="x#0")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([5, 6, 7], SamplingParams(n=2, temperature=1.0, max_tokens=3), request_id="x")
-    assert "x" not in engine._parents and "x#1" not in engine.requests
+    assert "x" not in engine.output_processor.parents and "x#1" not in engine.scheduler.requests
     engine.add_request([5, 6], SamplingParams(max_tokens=3), request_id="req-99")
     finish_all(engine, ["x#0", "req-99"])

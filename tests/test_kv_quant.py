@@ -9,7 +9,8 @@ from conftest import smollm_path
 from test_models import engine_for, random_prompts
 from test_scheduling import run_all
 from twostep import SamplingParams
-from twostep.layers.kv_storage import dequantize, kv_format, quantize
+from twostep.attention.kv_layer_cache import dequantize, quantize
+from twostep.config import kv_format
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 # Worst error of one value relative to the absmax of its token's head vector: int8 rounds to
@@ -45,7 +46,7 @@ def test_round_trip_error_is_bounded_and_finite(fmt):
 def test_capacity_nearly_doubles(tmp_path, fmt):
     from conftest import make_tiny_model
     from twostep.config import EngineConfig
-    from twostep.core.engine import LLMEngine
+    from twostep.engine.llm_engine import LLMEngine
 
     # head_dim 64, as in SmolLM2 and most models: 64 bytes + a 2-byte scale per head vector
     # against 128 bytes in bf16, 2 x 64 / 66 = 1.94x (1.97x at head_dim 128).
@@ -61,8 +62,8 @@ def test_capacity_nearly_doubles(tmp_path, fmt):
 
 def _next_token_logits(engine, prompt):
     engine.add_request(prompt, SamplingParams(max_tokens=1))
-    logits = engine.runner.all_logits(engine.scheduler.schedule(), engine.kv)[-1]
-    engine.abort_request(list(engine.requests), emit_output=False)
+    logits = engine.runner.all_logits(engine.scheduler.schedule())[-1]
+    engine.abort_request(list(engine.scheduler.requests), emit_output=False)
     return logits
 
 

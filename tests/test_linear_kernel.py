@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from test_models import random_prompts
 from twostep import EngineConfig, LLMEngine, SamplingParams
-from twostep.layers.linear import GEMV_MAX_ROWS, PackedLinear, _linear_of, can_prepack
+from twostep.layers.linear import Linear
+from twostep.platforms.cpu.linear import GEMV_MAX_ROWS, PackedLinearMethod, can_prepack, packed_linear
 
 
 def kernel_or_skip():
@@ -67,8 +68,8 @@ def test_packed_linear_routes_few_rows_to_the_kernel():
     if not can_prepack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU has no native bf16 in oneDNN")
     w = torch.randn(48, 96).to(torch.bfloat16)
-    layer = PackedLinear.from_linear(_linear_of(w), kernel)
-    plain = PackedLinear.from_linear(_linear_of(w))
+    layer = packed_linear(w, gemv=kernel)
+    plain = packed_linear(w)
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17):
         x = torch.randn(rows, 96).to(torch.bfloat16)
         want = kernel.linear_bf16(x, w, None) if rows <= GEMV_MAX_ROWS else plain(x)
@@ -88,16 +89,17 @@ def decode_logits(folder, gemv: bool, dtype="bfloat16"):
     """Logits of the first decode step of one request (one row per linear: the kernel's case)."""
     engine = LLMEngine(EngineConfig(model=str(folder), dtype=dtype, kv_cache_memory="4MiB",
                                     cpu_gemv=gemv, enable_prefix_caching=False))
-    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
-    assert all((m.gemv is not None) == gemv for m in layers)
-    counter = CountingKernel(layers[0].gemv) if gemv else None
-    for m in layers:
-        m.gemv = counter
+    layers = [m for m in engine.target.model.modules()
+              if isinstance(m, Linear) and isinstance(m.method, PackedLinearMethod)]
+    assert all((m.method.gemv is not None) == gemv for m in layers)
+    counter = CountingKernel(layers[0].method.gemv) if gemv else None
+    for method in {id(m.method): m.method for m in layers}.values():
+        method.gemv = counter
     engine.add_request(random_prompts([23], seed=9)[0],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()                                  # prefill: many rows, oneDNN (and the lm_head row)
     calls = counter.calls if gemv else 0
-    logits = engine.runner.all_logits(engine.scheduler.schedule(), engine.kv)
+    logits = engine.runner.all_logits(engine.scheduler.schedule())
     if gemv:                                       # the decode step's linears all took the kernel
         assert counter.calls - calls == len(layers)
     return logits

@@ -6,7 +6,7 @@ import torch
 
 from conftest import ARCH_CONFIGS, load_hf
 from twostep import SamplingParams
-from twostep.core.engine import LLMEngine
+from twostep.engine.llm_engine import LLMEngine
 from twostep.config import EngineConfig
 
 ARCHS = list(ARCH_CONFIGS)
@@ -39,7 +39,7 @@ def test_prefill_logits_match_transformers(tiny_model_dir, arch):
         engine.add_request(p, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
     assert len(sched.scheduled) == 3
-    logits = engine.runner.all_logits(sched, engine.kv)
+    logits = engine.runner.all_logits(sched)
     offset = 0
     for p in prompts:
         with torch.no_grad():
@@ -62,8 +62,8 @@ def test_batched_greedy_matches_transformers_alone(tiny_model_dir, arch):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), f"prompt of {len(p)} tokens"
         assert o.outputs[0].finish_reason == "length"
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+    llm.engine.scheduler.kv.check_integrity()
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -184,7 +184,7 @@ def test_missing_config_field_and_unused_tensors_are_refused(tmp_path, tiny_mode
 
 
 def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
-    from twostep.layers.linear import PackedLinear, can_prepack
+    from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
 
     if not can_prepack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("this CPU has no native bf16 in oneDNN")
@@ -195,11 +195,12 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
         engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_memory="4MiB",
                                         cpu_prepack_weights=packed, cpu_gemv=False,
                                         enable_prefix_caching=False))
-        assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) == packed
+        assert any(isinstance(getattr(m, "method", None), PackedLinearMethod)
+                   for m in engine.target.model.modules()) == packed
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        logits[packed] = engine.runner.all_logits(engine.scheduler.schedule(), engine.kv)
-        engine.abort_request(list(engine.requests), emit_output=False)
+        logits[packed] = engine.runner.all_logits(engine.scheduler.schedule())
+        engine.abort_request(list(engine.scheduler.requests), emit_output=False)
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
                for p in prompts]
         done = {}

@@ -7,8 +7,14 @@ import torch
 
 from test_models import engine_for
 from test_scheduling import reference, run_all  # noqa: F401  (reference is a fixture)
-from twostep.layers.attention import DecodeBatch, ReferenceAttention, get_attention_backend
-from twostep.layers.kv_storage import KVLayerCache, kv_format
+from twostep.attention.backend import HybridBackend
+from twostep.attention.kv_layer_cache import KVLayerCache
+from twostep.attention.metadata import AttentionMetadata
+from twostep.attention.paged_decode import PagedDecode
+from twostep.attention.reference import ReferenceDecode
+from twostep.attention.selector import get_attention_backend
+from twostep.config import kv_format
+from twostep.platforms.cpu.paged_attention import paged_decode_attention
 
 
 def kernel_or_skip():
@@ -23,9 +29,7 @@ def kernel_or_skip():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size,group", [(16, 3), (1, 1), (4, 7)])
 def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
-    from twostep.layers.cpu_paged_attention import CPUPagedAttention
-
-    backend = CPUPagedAttention(kernel_or_skip())
+    backend = PagedDecode(paged_decode_attention(kernel_or_skip(), dtype, False))
     g = torch.Generator().manual_seed(block_size * 10 + group)
     kv_heads, dim = 2, 64
     lens = [300, 1, 17, 64, 129, 250]
@@ -45,17 +49,20 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
     for q in qlens:
         starts.append(starts[-1] + q)
     q = torch.randn(starts[-1], kv_heads * group, dim, generator=g).to(dtype)
-    batch = DecodeBatch.build(list(range(len(lens))), starts, qlens, lens, table, block_size)
+    common = AttentionMetadata(starts, qlens, lens, torch.empty(0, dtype=torch.int64), table,
+                               block_size, [True] * len(lens))
+    everyone = list(range(len(lens)))
     expected = torch.full_like(q, float("nan"))
-    ReferenceAttention()._decode(q, cache, batch, dim ** -0.5, expected)
+    reference_decode = ReferenceDecode()
+    reference_decode.forward(q, cache, reference_decode.build(common, everyone), dim ** -0.5, expected)
     got = torch.full_like(q, float("nan"))
-    backend.kernel_decode(q, cache, batch, dim ** -0.5, got)    # drafts' queries too
+    backend.forward(q, cache, backend.build(common, everyone), dim ** -0.5, got)  # drafts' queries too
     assert not got.isnan().any()
     assert (got.float() - expected.float()).abs().max() < tol
-    single = DecodeBatch.build([0, 1, 3], starts, qlens, lens, table, block_size)
+    single = backend.build(common, [0, 1, 3])
     got = torch.full_like(q, float("nan"))
-    backend._decode(q, cache, single, dim ** -0.5, got)          # what the engine calls
-    rows = single.index.reshape(-1)
+    backend.forward(q, cache, single, dim ** -0.5, got)          # a subset of the rows
+    rows = single.rows.index.reshape(-1)
     assert (got[rows].float() - expected[rows].float()).abs().max() < tol
 
 
@@ -63,15 +70,15 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
 def test_engine_is_token_exact_with_each_backend(reference, backend):   # noqa: F811
     folder, prompts, expected = reference
     from twostep.kernels import paged_attention
-    from twostep.layers.cpu_paged_attention import CPUPagedAttention
 
     engine = engine_for(folder, attention_backend=backend, max_num_batched_tokens=40)
-    uses_kernel = isinstance(engine.runner.backend, CPUPagedAttention)
+    uses_kernel = isinstance(engine.runner.backend.decode, PagedDecode)
     assert uses_kernel == (backend == "auto" and paged_attention() is not None)
     assert [o.outputs[0].token_ids for o in run_all(engine, prompts)] == expected
 
 
 def test_backend_names():
-    assert isinstance(get_attention_backend("reference"), ReferenceAttention)
+    reference_backend = get_attention_backend("reference")
+    assert isinstance(reference_backend, HybridBackend) and isinstance(reference_backend.decode, ReferenceDecode)
     with pytest.raises(ValueError, match="available"):
         get_attention_backend("flash")

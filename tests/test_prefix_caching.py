@@ -58,7 +58,7 @@ def test_outputs_identical_with_and_without_caching(folder, budget):
         out = run(on, [p])[0]
         assert out.outputs[0].token_ids == exp
         assert out.num_cached_tokens == (len(p) - 1) // 16 * 16
-    assert on.kv.num_free_blocks == on.kv.pool.num_blocks
+    assert on.scheduler.kv.num_free_blocks == on.scheduler.kv.pool.num_blocks
 
 
 def test_exact_hit_accounting(folder):
@@ -103,8 +103,8 @@ def test_eviction_under_pressure_keeps_outputs(folder):
     for round_ in range(2):
         outs = run(engine, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected
-    assert engine.kv.pool.num_evictions > 0
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.scheduler.kv.pool.num_evictions > 0
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -141,9 +141,9 @@ def test_randomised_interleaving_of_add_abort_preempt_finish(folder, seed):
             if out.finished:
                 results[out.request_id] = out
                 live.pop(out.request_id, None)
-        engine.kv.check_integrity()
+        engine.scheduler.kv.check_integrity()
     assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
-    assert engine.kv.pool.num_cached_blocks > 0
+    assert engine.scheduler.kv.pool.num_cached_blocks > 0
     checked = 0
     for rid, out in results.items():
         i = int(rid.split("-")[1]) - 1
@@ -153,7 +153,7 @@ def test_randomised_interleaving_of_add_abort_preempt_finish(folder, seed):
             assert out.outputs[0].token_ids == expected[i]
             checked += 1
     assert checked >= len(prompts) // 3
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 def test_free_queue_removes_from_the_middle():
@@ -220,7 +220,7 @@ def test_chained_keys_depend_on_the_whole_prefix():
 
 
 def test_cli_flag_turns_caching_off(folder, capsys):
-    from twostep.entrypoints.cli import main
+    from twostep.cli import main
 
     rc = main(["generate", "--model", str(folder), "--no-enable-prefix-caching", "--max-tokens", "2",
                "--kv-cache-memory", "2MiB", "hello"])

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from twostep.core import sampler as sampler_mod
-from twostep.core.sampler import (
+from twostep.sample import sampler as sampler_mod
+from twostep.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,

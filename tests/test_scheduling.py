@@ -37,8 +37,8 @@ def run_all(engine, prompts, params=GREEDY, check_every_step=True):
             if out.finished:
                 done[out.request_id] = out
         if check_every_step:
-            engine.kv.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks, "blocks leaked"
+            engine.scheduler.kv.check_integrity()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks, "blocks leaked"
     return [done[i] for i in ids]
 
 
@@ -87,13 +87,13 @@ def test_decodes_continue_while_long_prompt_prefills(reference):
     folder, prompts, _ = reference
     engine = engine_for(folder, max_num_batched_tokens=8)
     first = engine.add_request(prompts[2], GREEDY)
-    while not engine.requests[first].output_token_ids:
+    while not engine.scheduler.requests[first].output_token_ids:
         engine.step()
     engine.add_request(prompts[-1], GREEDY)
     for _ in range(4):  # the 64-token prompt needs many steps; the decode never stalls
-        before = len(engine.requests[first].output_token_ids)
+        before = len(engine.scheduler.requests[first].output_token_ids)
         engine.step()
-        assert len(engine.requests[first].output_token_ids) == before + 1
+        assert len(engine.scheduler.requests[first].output_token_ids) == before + 1
 
 
 def test_abort_frees_blocks_at_any_time(reference):
@@ -107,14 +107,14 @@ def test_abort_frees_blocks_at_any_time(reference):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.kv.check_integrity()
+        engine.scheduler.kv.check_integrity()
 
     engine.abort_request(ids[7])   # still waiting
     step()
     engine.abort_request(ids[5])   # mid-prefill or waiting
     for _ in range(3):
         step()
-    assert engine.requests[ids[0]].output_token_ids, "decoding by now"
+    assert engine.scheduler.requests[ids[0]].output_token_ids, "decoding by now"
     engine.abort_request(ids[0])   # decoding
     step()
     while engine.has_unfinished_requests():
@@ -124,7 +124,7 @@ def test_abort_frees_blocks_at_any_time(reference):
             assert done[rid].outputs[0].finish_reason == "abort"
         else:
             assert done[rid].outputs[0].token_ids == exp
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 def test_request_that_outgrows_the_whole_cache_ends_with_length(reference):
@@ -156,9 +156,9 @@ def test_max_num_seqs_caps_running(reference):
 def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
     """The cache is allocated uninitialised: simulate the worst garbage (NaN everywhere);
     padding reads must not let it through."""
-    import twostep.core.engine as engine_module
+    import twostep.core.model_builder as builder_module
 
-    monkeypatch.setattr(engine_module, "allocate_kv_cache", nan_filled_kv_cache)
+    monkeypatch.setattr(builder_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference
     engine = engine_for(folder, max_num_batched_tokens=64)
     outs = run_all(engine, prompts)

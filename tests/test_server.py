@@ -57,7 +57,7 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        self.cmd = [sys.executable, "-m", "twostep.entrypoints.cli", "serve", "--model", str(folder),
+        self.cmd = [sys.executable, "-m", "twostep.cli", "serve", "--model", str(folder),
                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                     "--kv-cache-memory", "16MiB", "--served-model-name", MODEL, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -838,7 +838,7 @@ def test_request_timeout_ends_requests_with_a_finish_reason(timeout_server):
 # ---- the command line ----------------------------------------------------------------------------
 
 def test_serve_help_lists_the_server_flags():
-    r = subprocess.run([sys.executable, "-m", "twostep.entrypoints.cli", "serve", "--help"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "twostep.cli", "serve", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in ("--host", "--port", "--served-model-name", "--max-queued-requests", "--request-timeout",

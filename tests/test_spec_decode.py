@@ -13,10 +13,10 @@ from conftest import load_hf, make_tiny_model
 from test_models import engine_for, random_prompts
 from test_scheduling import GREEDY, nan_filled_kv_cache, reference, run_all  # noqa: F401  (reference is a fixture)
 from twostep import SamplingParams
-from twostep.core.sampler import Sampler, SamplingRow
-from twostep.spec_decode.config import SpeculativeConfig
+from twostep.sample.sampler import Sampler, SamplingRow
+from twostep.config import SpeculativeConfig
 from twostep.spec_decode.ngram import NgramProposer
-from twostep.spec_decode.rejection import DraftRow, RejectionSampler
+from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -70,7 +70,7 @@ def test_config_parses_vllm_json_and_rejects_bad_input():
 def test_cli_short_flags_lay_over_the_json():
     import argparse
 
-    from twostep.entrypoints.cli import add_engine_args, engine_config_from
+    from twostep.cli import add_engine_args, engine_config_from
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -200,13 +200,13 @@ def test_rejected_slots_are_released_and_never_cached(reference):
         engine.add_request(p, GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-        engine.kv.check_integrity()
+        engine.scheduler.kv.check_integrity()
         for request in engine.scheduler.running:
             # After a step a request holds blocks for its computed tokens (plus at most the
             # block its next token goes to), never for rejected drafts.
-            held = engine.kv.num_blocks_of(request.request_id)
-            assert held <= engine.kv.blocks_needed(request.num_computed_tokens + 1)
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+            held = engine.scheduler.kv.num_blocks_of(request.request_id)
+            assert held <= engine.scheduler.kv.blocks_needed(request.num_computed_tokens + 1)
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 # ---- stops and limits apply to accepted tokens in order -----------------------------------------
@@ -335,7 +335,7 @@ def test_ngram_pays_on_an_input_grounded_prompt_with_the_default_model():
 # ---- entry points -------------------------------------------------------------------------------
 
 def test_cli_summary_reports_acceptance(tiny_model_dir, capsys):
-    from twostep.entrypoints.cli import main
+    from twostep.cli import main
 
     rc = main(["generate", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--kv-cache-memory",
                "4MiB", "--max-tokens", "24", "--ignore-eos", "--speculative-method", "ngram",
@@ -396,7 +396,7 @@ def test_bench_reports_speculation_counters_of_the_run(tiny_model_dir):
 def test_garbage_in_the_drafts_unwritten_blocks_never_leaks(reference, monkeypatch):
     """The draft reserves blocks for drafts 2..k before writing them, and batched steps read them
     (masked) for shorter sequences: NaN there must not reach the drafts."""
-    import twostep.spec_decode.draft_model as draft_module
+    import twostep.core.model_builder as draft_module   # builds the draft's cache too
 
     monkeypatch.setattr(draft_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference
@@ -434,9 +434,9 @@ def test_the_draft_catches_up_on_long_prompts_within_the_token_budget(reference)
     sizes = []
     original = runner.last_logits
 
-    def spy(items, kv):
+    def spy(items):
         sizes.append(sum(s.num_tokens for s in items))
-        return original(items, kv)
+        return original(items)
 
     runner.last_logits = spy
     outs = run_all(engine, prompts)

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from twostep.core.tokenizer import Tokenizer
+from twostep.tokenizer.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

@@ -25,7 +25,7 @@ def test_trace_matches_the_run(tiny_model_dir, tmp_path):
         if e["ph"] == "X":
             assert e["dur"] >= 0 and isinstance(e["ts"], (int, float))
     steps = [e for e in events if e.get("cat") == "step"]
-    assert len(steps) == engine.stats.num_steps
+    assert len(steps) == engine.scheduler.stats.num_steps
     per_request: dict[str, list[int]] = {}
     for step in steps:
         args = step["args"]
@@ -56,7 +56,7 @@ def test_tracing_is_off_by_default(tiny_model_dir):
 
 
 def test_cli_writes_a_trace(tiny_model_dir, tmp_path, capsys):
-    from twostep.entrypoints.cli import main
+    from twostep.cli import main
 
     path = tmp_path / "t.json"
     assert main(["generate", "--model", str(tiny_model_dir("llama")), "--max-tokens", "3",

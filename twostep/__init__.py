@@ -14,6 +14,6 @@ def __getattr__(name: str):
         from twostep.entrypoints.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from twostep.core.engine import LLMEngine
+        from twostep.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)

@@ -120,7 +120,7 @@ def _measured_hardware():
     """This machine as measured now: read bandwidth and bf16 matmul FLOP/s from the ceilings
     benchmark, memory from /proc/meminfo."""
     from twostep.analysis.hardware import Hardware
-    from twostep.bench.ceilings import measure_ceilings
+    from twostep.analysis.ceilings import measure_ceilings
 
     c = measure_ceilings(("bfloat16",))
     with open("/proc/meminfo") as f:

@@ -35,7 +35,7 @@ class Measured:
 
 def measure(model: str | None, hardware: Hardware, prompt_lengths=(128, 512), batch_sizes=(1, 8),
             decode_tokens: int = 32, reps: int = 3, dtype: str = "auto") -> tuple[Analysis, list[Measured]]:
-    from twostep import LLM
+    from twostep.entrypoints.llm import LLM
     from twostep.models.loader import resolve_model_path
 
     path = resolve_model_path(model)
@@ -64,7 +64,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _ttft(llm, length: int, vocab: int, seed: int) -> float:
-    from twostep import SamplingParams
+    from twostep.sampling_params import SamplingParams
 
     out = llm.generate(_prompts(1, length, vocab, seed), SamplingParams(temperature=0, max_tokens=1),
                        use_tqdm=False)[0]
@@ -72,7 +72,7 @@ def _ttft(llm, length: int, vocab: int, seed: int) -> float:
 
 
 def _tpot(llm, batch: int, tokens: int, vocab: int, seed: int) -> float:
-    from twostep import SamplingParams
+    from twostep.sampling_params import SamplingParams
 
     outs = llm.generate(_prompts(batch, DECODE_PROMPT, vocab, seed),
                         SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)

@@ -45,7 +45,7 @@ def run_bench(args: argparse.Namespace, engine_config) -> int:
         from twostep.bench.serve import run_serve_bench
 
         return run_serve_bench(args)
-    from twostep import LLM
+    from twostep.entrypoints.llm import LLM
 
     config = engine_config(args)
     llm = LLM(**{k: getattr(config, k) for k in config.__slots__})
@@ -106,7 +106,7 @@ def _spec_line(spec: dict | None) -> str:
 
 
 def _run_ceilings(args: argparse.Namespace) -> int:
-    from twostep.bench.ceilings import format_ceilings, measure_ceilings, model_bounds
+    from twostep.analysis.ceilings import format_ceilings, measure_ceilings, model_bounds
 
     c = measure_ceilings()
     bounds = None

@@ -1,41 +1,25 @@
 """Turns a SchedulerOutput into one flat, unpadded forward pass and samples from it.
 
 Inputs per step: input_ids and positions of every scheduled token, slot_mapping (where each
-new token's K/V goes), block tables and lengths for attention. lm_head runs only on the
+new token's K/V goes), block tables and lengths for attention: the common metadata, which the
+attention backend turns into its own once per step. lm_head runs only on the
 rows that need logits: the last token of each request that samples this step, every position
 of a request verifying drafts, plus prompt positions of requests that asked for prompt_logprobs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from twostep.core.sampler import Sampler, SamplingRow, prompt_logprobs
-from twostep.core.scheduler import ScheduledRequest, SchedulerOutput
-from twostep.kv.kv_cache_manager import KVCacheManager
-from twostep.layers.attention import AttentionBackend, AttentionMetadata, DecodeBatch
-from twostep.layers.kv_storage import KVLayerCache
+from twostep.attention.backend import AttentionBackend
+from twostep.attention.kv_layer_cache import KVLayerCache
+from twostep.attention.metadata import AttentionMetadata
+from twostep.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
+from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.models.decoder import DecoderForCausalLM
-from twostep.outputs import PositionLogprobs
-from twostep.spec_decode.rejection import DraftRow, RejectionSampler
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one step produced for one scheduled request."""
-
-    scheduled: ScheduledRequest
-    token_ids: list[int] = field(default_factory=list)   # none for a prefill chunk that samples nothing
-    logprobs: list[PositionLogprobs | None] | None = None  # one per token when asked for
-    prompt_logprobs: list[PositionLogprobs] | None = None
-    num_accepted: int = 0                        # drafts the target accepted (the rest rolled back)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """The request's tokens in the KV cache after this step: rejected drafts do not count."""
-        s = self.scheduled
-        return s.start + s.num_known_tokens + self.num_accepted
+from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
+from twostep.sample.sampler import Sampler, SamplingRow, prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -59,35 +43,40 @@ class ModelRunner:
         # The cache is allocated uninitialised (fast start, no memory until used). A block is
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
+        # Block tables are padded with the null block, which no request holds: zero it now.
         self._zeroed = torch.zeros(kv_caches[0].num_blocks, dtype=torch.bool)
-        self.ensure_zeroed([0])          # padding entries of block tables point at block 0
+        self.ensure_zeroed([NULL_BLOCK_ID])
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[StepResult]:
-        items = sched.scheduled
-        input_ids, positions, meta = self._prepare(items, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        rows = self._logit_rows(items, meta)
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        items = scheduler_output.scheduled
+        if not items:
+            return ModelRunnerOutput()
+        hidden, common = self._forward(items)
+        rows = self._logit_rows(items, common)
         if not rows.flat_indices:
-            return [StepResult(s) for s in items]
+            return ModelRunnerOutput([StepResult() for _ in items])
         logits = self.model.compute_logits(hidden[torch.tensor(rows.flat_indices, device=self.device)])
-        return self._results(items, logits, rows)
+        return ModelRunnerOutput(self._results(items, logits, rows))
 
     @torch.inference_mode()
-    def all_logits(self, sched: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
+    def all_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position (flat, [T, vocab]); for checks against a reference.
         Writes K/V like a normal step but samples nothing."""
-        input_ids, positions, meta = self._prepare(sched.scheduled, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden, _ = self._forward(scheduler_output.scheduled)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def last_logits(self, items: list[ScheduledRequest], kv: KVCacheManager) -> torch.Tensor:
+    def last_logits(self, items: list[ScheduledRequest]) -> torch.Tensor:
         """Logits [len(items), vocab] at each item's last position (a draft model's proposals)."""
-        input_ids, positions, meta = self._prepare(items, kv)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
+        hidden, common = self._forward(items)
+        last = torch.tensor(common.query_start_loc[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
+
+    def _forward(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
+        input_ids, positions, common = self._prepare(items)
+        meta = self.backend.build_metadata(common)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), common
 
     def ensure_zeroed(self, block_ids: list[int]) -> None:
         """Zero those of these blocks that were never written (see __init__)."""
@@ -99,15 +88,14 @@ class ModelRunner:
             cache.zero_blocks(index)
         self._zeroed[fresh] = True
 
-    def _prepare(self, items: list[ScheduledRequest], kv: KVCacheManager):
+    def _prepare(self, items: list[ScheduledRequest]):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         starts, qlens, slens, tables = [0], [], [], []
         bs = self.block_size
         for s in items:
-            req, end = s.request, s.start + s.num_tokens
-            block_ids = kv.block_ids(req.request_id)
+            end, block_ids = s.start + s.num_tokens, s.block_ids
             ids.extend(s.input_token_ids())
             pos.extend(range(s.start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
@@ -117,17 +105,14 @@ class ModelRunner:
             tables.append(block_ids)
         self.ensure_zeroed(sorted({sl // bs for sl in slots}))
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64,
-                             device=self.device)
-        # Decodes, and decodes verifying drafts, share one batched attention call per layer.
-        decode_rows = [i for i, s in enumerate(items) if s.num_tokens == 1 or s.spec_token_ids]
-        decode_set = set(decode_rows)
+        table = torch.tensor([t + [NULL_BLOCK_ID] * (width - len(t)) for t in tables],
+                             dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(
             query_start_loc=starts, query_lens=qlens, seq_lens=slens,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=table, block_size=bs,
-            prefill_rows=[i for i in range(len(items)) if i not in decode_set],
-            decode=DecodeBatch.build(decode_rows, starts, qlens, slens, table, bs) if decode_rows else None,
+            # Decodes, and decodes verifying drafts, share one batched attention call per layer.
+            is_decode=[s.num_tokens == 1 or bool(s.spec_token_ids) for s in items],
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return to_dev(ids), to_dev(pos), meta
@@ -138,7 +123,7 @@ class ModelRunner:
             req, first = s.request, meta.query_start_loc[i]
             if req.wants_prompt_logprobs:
                 # Logits at prompt position p score prompt token p + 1.
-                lo = max(s.start, len(req.prompt_logprobs) - 1)
+                lo = max(s.start, req.num_prompt_logprobs - 1)
                 hi = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
                 if hi > lo:
                     rows.prompt_rows[i] = (len(rows.flat_indices), hi - lo, lo + 1)
@@ -152,7 +137,7 @@ class ModelRunner:
         return rows
 
     def _results(self, items, logits: torch.Tensor, rows: _LogitRows) -> list[StepResult]:
-        results = [StepResult(s) for s in items]
+        results = [StepResult() for _ in items]
         for i, (row, count, target) in rows.prompt_rows.items():
             req = items[i].request
             targets = req.prompt_token_ids[target:target + count]

@@ -1,6 +1,9 @@
 """A request's state under the counter model: it has all_token_ids (prompt + outputs so far)
 and num_computed_tokens (how many of them are in the KV cache). "Prefilling" and "decoding"
-are just num_computed_tokens < num_prompt_tokens or not; the scheduler needs no phases."""
+are just num_computed_tokens < num_prompt_tokens or not; the scheduler needs no phases.
+
+The scheduler alone writes this state after it is made (core/scheduler.py); what the user sees
+(text, logprobs, cumulative outputs) is the output processor's (engine/output_processor.py)."""
 from __future__ import annotations
 
 import enum
@@ -8,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twostep.outputs import PositionLogprobs, RequestMetrics
+from twostep.outputs import RequestMetrics
 from twostep.sampling_params import SamplingParams
 
 
@@ -22,23 +25,19 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
     generator: torch.Generator | None = None
-    detokenizer: object | None = None
+    max_total_tokens: int = 0        # prompt + max_tokens, capped at max_model_len
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    # prompt_logprobs: prompt positions scored so far (position 0 has none, so it counts as done)
+    num_prompt_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    emitted_text: str = ""           # text handed out so far (deltas concatenated)
-    max_total_tokens: int = 0        # prompt + max_tokens, capped at max_model_len
     # Speculative decoding: tokens proposed after the last step, verified by the next one,
     # and the distributions a draft model drew them from ([k, V]; None for n-gram lookup).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -46,6 +45,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.num_prompt_logprobs = 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,8 +66,7 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return (self.params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

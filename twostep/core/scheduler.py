@@ -6,66 +6,40 @@ for a decode with speculative drafts also the drafts to verify (after every deco
 own token; drafts that do not fit are cut). Running decodes go first, then running partial prefills, then waiting requests, so a long
 prompt never stalls the decodes. When the KV cache is full the newest running request is
 preempted: its blocks are freed and it is recomputed later from its tokens.
+
+After the model ran, update_from_output() applies the step to the requests and the KV cache:
+computed tokens, appended tokens (accepted drafts included), rejected draft slots trimmed, full
+blocks registered in the prefix cache, stop rules (core/stop.py), finished requests' blocks freed.
+Nothing else writes request or KV state after a step (vLLM v1's Scheduler.update_from_output).
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
+from twostep.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+                                  SchedulerOutput, StepResult)
 from twostep.core.request import Request, RequestStatus
+from twostep.core.stop import check_stop
 from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.outputs import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_tokens: int                  # tokens computed for it this step (drafts included)
-    start: int                       # its num_computed_tokens before the step
-    spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step
-    spec_draft_probs: torch.Tensor | None = None              # their draft distributions [k, V]
+class SchedulerStats:
+    """Counters since start; figures are derived from these, never estimated."""
 
-    @property
-    def num_known_tokens(self) -> int:
-        return self.num_tokens - len(self.spec_token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token past the prompt (plus drafts to verify); prompt chunks and
-        recomputation after preemption are prefill work."""
-        return self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens
-
-    @property
-    def completes_known_tokens(self) -> bool:
-        """After this step every known token is cached, so the step samples its next token."""
-        return self.start + self.num_known_tokens == self.request.num_tokens
-
-    def input_token_ids(self) -> list[int]:
-        """Tokens start .. start + num_tokens of the request's tokens followed by the drafts."""
-        known, end = self.request.all_token_ids, self.start + self.num_tokens
-        head = known[self.start:end] if self.start < len(known) else []
-        if end <= len(known):
-            return head
-        return head + self.spec_token_ids[max(self.start - len(known), 0):end - len(known)]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    cannot_fit: list[Request] = field(default_factory=list)   # alone and still no room: end them
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    num_steps: int = 0
+    num_prefill_tokens: int = 0      # prompt (and recomputed) tokens pushed through the model
+    num_preemptions: int = 0
+    peak_blocks_used: int = 0
 
 
 class Scheduler:
@@ -73,16 +47,26 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}       # every request not yet finished
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.stats = SchedulerStats()
+        self.spec_stats = SpecDecodeStats()
+        self._released: list[str] = []               # finished or preempted, not yet taken
 
-    def add(self, request: Request) -> None:
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
+    def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- schedule ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -103,6 +87,15 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
         if not out.preempted:
             self._admit_waiting(self.max_num_batched_tokens - out.num_tokens, out)
+        for request in out.finished:
+            logger.warning("request %s no longer fits in the whole KV cache; ending it",
+                           request.request_id)
+            self._finish(request, "length")
+        now = time.monotonic()
+        for s in out.scheduled:
+            s.block_ids = self.kv.block_ids(s.request.request_id)
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
         return out
 
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
@@ -126,7 +119,7 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request:
                 if len(self.running) == 1:
-                    out.cannot_fit.append(request)
+                    out.finished.append(request)
                 self._preempt(request, out)
                 return False
             self._preempt(victim, out)
@@ -139,9 +132,10 @@ class Scheduler:
         request.clear_draft()
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._released.append(request.request_id)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
-        if request not in out.cannot_fit:
+        if request not in out.finished:
             self.waiting.appendleft(request)
             out.preempted.append(request)
             logger.debug("preempted %s (recompute later)", request.request_id)
@@ -171,11 +165,118 @@ class Scheduler:
             return [], request.num_computed_tokens
         return self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
 
-    def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request wherever it is and free its blocks."""
+    # ---- update after the model ran ------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's results to its requests and the KV cache; what changed, per request."""
+        outputs = [EngineCoreOutput(r.request_id, finish_reason=r.finish_reason)
+                   for r in scheduler_output.finished]
+        if scheduler_output.is_empty:
+            return outputs
+        self._account(scheduler_output)
+        for s, result in zip(scheduler_output.scheduled, runner_output.results, strict=True):
+            outputs.append(self._update_request(s, result))
+        return outputs
+
+    def _account(self, scheduler_output: SchedulerOutput) -> None:
+        st = self.stats
+        st.num_steps += 1
+        st.num_prefill_tokens += sum(s.num_tokens for s in scheduler_output.scheduled if not s.is_decode)
+        st.peak_blocks_used = max(st.peak_blocks_used, self.kv.pool.num_used_blocks)
+
+    def _update_request(self, s: ScheduledRequest, result: StepResult) -> EngineCoreOutput:
+        request = s.request
+        rid = request.request_id
+        # Rejected drafts do not count as computed; their slots are rolled back.
+        request.num_computed_tokens = s.start + s.num_known_tokens + result.num_accepted
+        if s.spec_token_ids:
+            self.spec_stats.record(len(s.spec_token_ids), result.num_accepted)
+            request.metrics.spec_decode.record(len(s.spec_token_ids), result.num_accepted)
+            self.kv.trim(rid, request.num_computed_tokens)
+        tokens = request.all_token_ids
+        if result.num_accepted:     # computed now, appended below
+            tokens = tokens + s.spec_token_ids[:result.num_accepted]
+        self.kv.cache_full_blocks(rid, tokens, request.num_computed_tokens)
+        request.metrics.num_kv_blocks = max(request.metrics.num_kv_blocks, self.kv.num_blocks_of(rid))
+        if result.prompt_logprobs:
+            request.num_prompt_logprobs += len(result.prompt_logprobs)
+        # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.
+        new_tokens: list[int] = []
+        for token in result.token_ids:
+            request.append_token(token)
+            new_tokens.append(token)
+            stop = check_stop(request, token)
+            if stop is not None:
+                self._finish(request, *stop)
+                break
+        return EngineCoreOutput(rid, new_tokens,
+                                result.logprobs[:len(new_tokens)] if result.logprobs else None,
+                                result.prompt_logprobs, request.finish_reason, request.stop_reason)
+
+    # ---- finishing, drafts, the cache's figures ------------------------------------------
+
+    def finish_requests(self, request_ids: Iterable[str], finish_reason: str,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """End these requests wherever they are (aborts, stop strings) and free their blocks;
+        returns those that were still unfinished."""
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, finish_reason, stop_reason)
+                ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.clear_draft()
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
+        self.requests.pop(request.request_id, None)
+        self._released.append(request.request_id)
+
+    def take_released(self) -> list[str]:
+        """Requests finished or preempted since the last call: state kept for them elsewhere (a
+        draft model's cache) can go."""
+        released, self._released = self._released, []
+        return released
+
+    def draft_candidates(self, k: int) -> list[tuple[Request, int]]:
+        """Requests whose next step is a decode, with how many drafts each may take (up to k and
+        never past its length limit)."""
+        out = []
+        for request in self.running:
+            room = request.max_total_tokens - request.num_tokens - 1
+            if (request.num_tokens_to_compute == 1 and request.output_token_ids
+                    and not request.spec_token_ids and room > 0):
+                out.append((request, min(k, room)))
+        return out
+
+    def update_draft_token_ids(self, requests: list[Request],
+                               drafts: list[tuple[list[int], torch.Tensor | None]]) -> None:
+        """The proposer's drafts ride on the requests to the next step, which verifies them."""
+        for request, (tokens, probs) in zip(requests, drafts, strict=True):
+            request.spec_token_ids, request.spec_draft_probs = tokens, probs
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.kv.can_ever_fit(num_tokens)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests (cached-but-evictable blocks count as free)."""
+        return self.kv.usage
+
+    def kv_stats(self) -> dict:
+        pool, pc = self.kv.pool, self.kv.prefix_stats
+        return {"num_blocks": pool.num_blocks, "blocks_in_use": pool.num_used_blocks,
+                "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
+                "prefix_cache_hit_rate": pc.hit_rate, "prefix_cache_blocks": pool.num_cached_blocks,
+                "prefix_cache_evictions": pool.num_evictions}
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()

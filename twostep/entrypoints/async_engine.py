@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from twostep.core.engine import LLMEngine
+from twostep.engine.llm_engine import LLMEngine
 from twostep.outputs import RequestOutput
 from twostep.sampling_params import SamplingParams
 

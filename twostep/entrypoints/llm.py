@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from twostep.config import EngineConfig
-from twostep.core.engine import LLMEngine
+from twostep.engine.llm_engine import LLMEngine
 from twostep.outputs import RequestOutput
 from twostep.sampling_params import SamplingParams
 

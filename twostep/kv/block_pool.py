@@ -7,12 +7,17 @@ cached K/V (block_key set): it is evictable, and a prefix-cache hit revives it b
 out of the middle of the queue, which is why the queue is a doubly linked list (O(1)).
 New blocks come from the front of the queue, the least recently freed, evicting what they
 cached.
+
+Block 0 is the null block (vLLM's): it belongs to no request and is never handed out, so block
+tables can be padded with it; the cache tensors hold num_blocks + 1 blocks for it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from twostep.kv.block_hash import BlockKey
+
+NULL_BLOCK_ID = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -79,7 +84,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(NULL_BLOCK_ID + 1, num_blocks + 1)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0

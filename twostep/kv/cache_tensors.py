@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.layers.kv_storage import KV_FORMATS, SCALE_DTYPE, KVFormat, KVLayerCache
+from twostep.attention.kv_layer_cache import KVLayerCache
+from twostep.config import KV_FORMATS, SCALE_DTYPE, KVFormat
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,11 @@ def plan_kv_cache(bytes_per_token: int, block_size: int, device: torch.device,
 def allocate_kv_cache(plan: KVCachePlan, num_layers: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device,
                       fmt: KVFormat = KV_FORMATS["auto"]) -> list[KVLayerCache]:
-    """Uninitialised on purpose: zeroing gigabytes costs seconds at start (5.5 s for 5.7 GiB on
-    this CPU) and, on Linux, empty pages cost no memory until a block is first written. The
-    model runner zeroes each block on its first use (see ModelRunner)."""
-    shape = (2, plan.num_blocks, plan.block_size, num_kv_heads)
+    """plan.num_blocks blocks for requests and the null block (block 0: table padding), all
+    uninitialised on purpose: zeroing gigabytes costs seconds at start (5.5 s for 5.7
+    GiB on this CPU) and, on Linux, empty pages cost no memory until a block is first written. The
+    model runner zeroes the null block at start and every other block on its first use."""
+    shape = (2, plan.num_blocks + 1, plan.block_size, num_kv_heads)
     storage = fmt.storage or dtype
     return [KVLayerCache(torch.empty((*shape, head_dim), dtype=storage, device=device),
                          torch.empty(shape, dtype=SCALE_DTYPE, device=device) if fmt.quantized else None,

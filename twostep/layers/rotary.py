@@ -1,12 +1,23 @@
-"""Rotary position embedding (non-interleaved halves, as in HF), with llama3 and linear scaling."""
+"""Rotary position embedding (non-interleaved halves, as in HF), with llama3 and linear scaling. The
+op "rotary" may run as a platform kernel (bit-identical to these torch ops: platforms/cpu/elementwise.py)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from twostep.models.config import RopeScaling
+from twostep.layers.custom_op import CustomOp
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    rope_type: str                      # "llama3" or "linear"
+    factor: float
+    low_freq_factor: float = 1.0        # llama3 only
+    high_freq_factor: float = 4.0       # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -32,12 +43,21 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
+def rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, 1, D]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class RotaryEmbedding(CustomOp):
     """cos/sin for every position up to max_positions, looked up by each token's position."""
+
+    op_name = "rotary"
+    forward_native = staticmethod(rotate_native)
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
                  max_positions: int, device: torch.device,
                  freq_factors: tuple[float, ...] | None = None) -> None:
+        super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         if freq_factors is not None:  # GGUF llama3 files store their scaling as these factors
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
@@ -47,33 +67,30 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
         self.sin = emb.sin()
-        self.kernel = None            # the elementwise C++ module, when the model runs on CPU
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and sin for these positions, [T, 1, D]: computed once per step, used by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
-                          self.sin[positions].unsqueeze(1).to(dtype), self.kernel)
+                          self.sin[positions].unsqueeze(1).to(dtype), self.impl)
 
 
 @dataclass(frozen=True, slots=True)
 class RopeTables:
-    """cos and sin [T, 1, D] of one step's positions, shared by every layer; kernel: the elementwise
-    C++ module (one call per tensor, bit-identical to apply_rotary) or None."""
+    """cos and sin [T, 1, D] of one step's positions, shared by every layer, and the rotation
+    implementation picked at load (rotate_native or a platform's)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    kernel: object = None
+    rotate: Callable = rotate_native
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel is None or q.dtype not in (torch.float32, torch.bfloat16):
-            return apply_rotary(q, k, self.cos, self.sin)
-        return self.kernel.rotary(q, self.cos, self.sin), self.kernel.rotary(k, self.cos, self.sin)
+        return self.rotate(q, self.cos, self.sin), self.rotate(k, self.cos, self.sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, Hkv, D]; cos/sin: [T, 1, D] from RotaryEmbedding.lookup."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate_native(q, cos, sin), rotate_native(k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

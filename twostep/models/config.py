@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from twostep.layers.rotary import RopeScaling
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -11,15 +13,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_SCALING = ("llama3", "linear")
-
-
-@dataclass(slots=True, frozen=True)
-class RopeScaling:
-    rope_type: str                      # "llama3" or "linear"
-    factor: float
-    low_freq_factor: float = 1.0        # llama3 only
-    high_freq_factor: float = 4.0       # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
 
 
 @dataclass(slots=True, frozen=True)

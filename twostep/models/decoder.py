@@ -2,8 +2,9 @@
 
 Module names mirror HF's, except that q/k/v and gate/up are fused into one matmul each
 (qkv_proj, gate_up_proj; models/weights.py concatenates the checkpoint's tensors): fewer,
-larger matmuls per layer. forward() takes a flat batch of tokens (no padding) plus
-AttentionMetadata and knows nothing of requests or scheduling.
+larger matmuls per layer. forward() takes a flat batch of tokens (no padding) plus the attention
+backend and the metadata it built for this step, and knows nothing of requests or scheduling.
+Platforms and weight formats plug in from outside (layers/dispatch.py): this file is the math.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostep.layers.attention import AttentionBackend, AttentionMetadata
+from twostep.attention.backend import AttentionBackend
+from twostep.layers.linear import Linear
 from twostep.layers.norm import RMSNorm
 from twostep.layers.rotary import RopeTables, RotaryEmbedding
 from twostep.models.config import ModelConfig
@@ -24,8 +26,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -33,7 +35,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: RopeTables,
-                kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                kv_cache, meta, backend: AttentionBackend,
                 ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -50,8 +52,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -86,7 +88,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -94,19 +96,12 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device,
                                       c.rope_freq_factors)
 
-    def use_elementwise_kernel(self, kernel) -> None:
-        """RMSNorm (bf16) and rotary as one C++ call each (twostep/kernels/elementwise.cpp)."""
-        self.rotary.kernel = kernel
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.kernel = kernel
-
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list, meta: AttentionMetadata,
+                kv_caches: list, meta,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)

@@ -89,7 +89,8 @@ def _load_gguf(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
 
     ckpt = load_gguf(path, dtype)
     config = ModelConfig.from_hf(ckpt.hf_config)
-    return LoadedCheckpoint(config, ckpt.tensors, ckpt, ckpt.generation_config, path)
+    tensors, ckpt.tensors = ckpt.tensors, {}      # held once, by the LoadedCheckpoint
+    return LoadedCheckpoint(config, tensors, ckpt, ckpt.generation_config, path)
 
 
 def _read_json(path: Path) -> dict:

@@ -15,37 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.config import DTYPES
-from twostep.core.model_runner import ModelRunner
+from twostep.config import DTYPES, EngineConfig, SpeculativeConfig
+from twostep.core.model_builder import CacheSpec, ModelInstance, ModelSpec, build_model_instance
+from twostep.core.outputs import ScheduledRequest
 from twostep.core.request import Request
-from twostep.core.sampler import Sampler, SamplingRow
-from twostep.core.scheduler import ScheduledRequest
-from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache
-from twostep.kv.kv_cache_manager import KVCacheManager
-from twostep.layers.attention import get_attention_backend
-from twostep.layers.kv_storage import kv_format
-from twostep.models.cpu_kernels import apply_cpu_kernels
-from twostep.models.loader import build_model, load_checkpoint, resolve_model_path
-from twostep.spec_decode.config import SpeculativeConfig
-from twostep.spec_decode.rejection import draft_sample
+from twostep.models.loader import resolve_model_path
+from twostep.platforms import Platform
+from twostep.sample.rejection_sampler import draft_sample
+from twostep.sample.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TargetShape:
-    """What the draft must match or mirror of the target engine."""
-
-    dtype: torch.dtype
-    device: torch.device
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int                  # the draft's pool gets as many blocks as the target's
-    max_num_batched_tokens: int = 2048   # the most unseen tokens the draft computes in a step
-    attention_backend: str = "auto"
-    prepack: bool = True
-    gemv: bool = True
 
 
 @dataclass(slots=True)
@@ -55,30 +34,26 @@ class _Fed:
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target: TargetShape, sampler: Sampler) -> None:
+    def __init__(self, config: SpeculativeConfig, engine: EngineConfig, target: ModelInstance,
+                 platform: Platform, sampler: Sampler) -> None:
         dtype = target.dtype if config.dtype == "auto" else DTYPES[config.dtype]
-        path = resolve_model_path(config.model)
-        ckpt = load_checkpoint(path, dtype)
-        mc = ckpt.config
-        if mc.vocab_size != target.vocab_size:
-            raise ValueError(f"draft model {path} has a vocabulary of {mc.vocab_size} tokens, the target "
-                             f"{target.vocab_size}: a draft must share the target's tokenizer")
-        self.max_model_len = min(target.max_model_len, mc.max_position_embeddings)
-        model = build_model(ckpt, dtype, target.device, self.max_model_len)
-        del ckpt
-        apply_cpu_kernels(model, dtype, target.device, target.prepack, target.gemv)
-        per_token = kv_format("auto").bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-        plan = KVCachePlan(target.num_blocks, target.block_size, per_token,
-                           kv_dtype=str(dtype).removeprefix("torch."))
-        caches = allocate_kv_cache(plan, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, target.device)
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, caches, plan.block_size,
-                                  get_attention_backend(target.attention_backend, target.device), target.device, sampler)
+        # As many blocks as the target's pool, in the draft's own shape; no prefix caching.
+        draft = build_model_instance(
+            ModelSpec(resolve_model_path(config.model), dtype, platform, target.max_model_len,
+                      cap_max_model_len=True, attention_backend=engine.attention_backend),
+            CacheSpec(engine.block_size, "auto", False, num_blocks=target.kv_plan.num_blocks),
+            sampler)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft model {draft.path} has a vocabulary of {draft.config.vocab_size} "
+                             f"tokens, the target {target.config.vocab_size}: a draft must share the "
+                             "target's tokenizer")
+        self.max_model_len = draft.max_model_len
+        self.kv, self.runner = draft.kv_manager, draft.runner
         self.sampler = sampler
-        self.token_budget = target.max_num_batched_tokens
+        self.token_budget = engine.max_num_batched_tokens
         self._fed: dict[str, _Fed] = {}
-        logger.info("draft model %s: %d layers, dtype %s; its %s", path, mc.num_layers,
-                    str(dtype).removeprefix("torch."), plan.describe())
+        logger.info("draft model %s: %d layers, dtype %s; its %s", draft.path, draft.config.num_layers,
+                    str(dtype).removeprefix("torch."), draft.kv_plan.describe())
 
     def propose(self, requests: list[Request], ks: list[int]
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -88,10 +63,10 @@ class DraftModelProposer:
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
         dists: dict[str, list[torch.Tensor | None]] = {r.request_id: [] for r, _ in active}
         # Step 0 catches up on unseen tokens; step j > 0 feeds draft j back in.
-        items = [ScheduledRequest(r, r.num_tokens - self._fed[r.request_id].base,
-                                  self._fed[r.request_id].base) for r, _ in active]
+        items = [self._item(r, r.num_tokens - self._fed[r.request_id].base,
+                            self._fed[r.request_id].base) for r, _ in active]
         while items or chunks:
-            logits = self.runner.last_logits(items + chunks, self.kv)[:len(items)]
+            logits = self.runner.last_logits(items + chunks)[:len(items)]
             chunks = []                  # catch-up chunks only ride along in the first forward
             if not items:
                 break
@@ -102,8 +77,8 @@ class DraftModelProposer:
             for s, token, p in zip(items, tokens, probs):
                 drafts[s.request.request_id].append(token)
                 dists[s.request.request_id].append(p)
-            items = [ScheduledRequest(r, 1, r.num_tokens + len(drafts[r.request_id]) - 1,
-                                      list(drafts[r.request_id]))
+            items = [self._item(r, 1, r.num_tokens + len(drafts[r.request_id]) - 1,
+                                list(drafts[r.request_id]))
                      for r, k in active if len(drafts[r.request_id]) < k]
         for r, k in active:
             self._fed[r.request_id] = _Fed(r.num_tokens, drafts[r.request_id][:k - 1])
@@ -129,10 +104,16 @@ class DraftModelProposer:
                 active.append((request, k))
             else:
                 unseen = budget
-                chunks.append(ScheduledRequest(request, unseen, base))
+                chunks.append(self._item(request, unseen, base))
                 self._fed[request.request_id] = _Fed(base + unseen, [])
             budget -= unseen
         return active, chunks
+
+    def _item(self, request: Request, num_tokens: int, start: int,
+              drafts: list[int] | None = None) -> ScheduledRequest:
+        """One row of a draft forward, over the draft's own block table."""
+        return ScheduledRequest(request, num_tokens, start, drafts or [],
+                                block_ids=self.kv.block_ids(request.request_id))
 
     def _make_room(self, request: Request, k: int) -> bool:
         """Roll the draft's cache back to what the target confirmed and grow it for k drafts."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from twostep.core.request import Request
-from twostep.spec_decode.config import SpeculativeConfig
+from twostep.config import SpeculativeConfig
 
 
 class NgramProposer:

@@ -1,14 +1,18 @@
-"""The proposer a speculative config asks for. Both kinds answer propose(requests, ks) with
-(draft tokens, their draft distributions or None) per request, and remove(request_id)."""
+"""The proposer a speculative config asks for; both implement core.proposer.Proposer."""
 from __future__ import annotations
 
-from twostep.core.sampler import Sampler
-from twostep.spec_decode.config import SpeculativeConfig
-from twostep.spec_decode.draft_model import DraftModelProposer, TargetShape
+from twostep.config import EngineConfig
+from twostep.core.model_builder import ModelInstance
+from twostep.core.proposer import Proposer
+from twostep.platforms import Platform
+from twostep.sample.sampler import Sampler
+from twostep.spec_decode.draft_model import DraftModelProposer
 from twostep.spec_decode.ngram import NgramProposer
 
 
-def make_proposer(config: SpeculativeConfig, target: TargetShape, sampler: Sampler):
-    if config.method == "ngram":
-        return NgramProposer(config)
-    return DraftModelProposer(config, target, sampler)
+def make_proposer(config: EngineConfig, target: ModelInstance, platform: Platform,
+                  sampler: Sampler) -> Proposer:
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    return DraftModelProposer(spec, config, target, platform, sampler)

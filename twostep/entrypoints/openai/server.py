@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twostep.core.engine import LLMEngine
+from twostep.engine.llm_engine import LLMEngine
 from twostep.entrypoints.async_engine import AsyncEngine, QueueFullError
 from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.metrics import ServerMetrics

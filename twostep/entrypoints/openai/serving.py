@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from twostep.core.tokenizer import Tokenizer
+from twostep.tokenizer.tokenizer import Tokenizer
 from twostep.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from twostep.config.kv_cache_dtype import kv_format
+from twostep.config.speculative import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +33,7 @@ class EngineConfig:
     max_n: int = 128                       # the most completions one request may ask for
     num_threads: int | None = None         # torch intra-op threads on CPU
     # Speculative decoding: a SpeculativeConfig, its dict or JSON text (--speculative-config).
-    speculative_config: object = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -41,34 +44,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        from twostep.layers.kv_storage import kv_format
-
         kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
-        from twostep.spec_decode.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 where the hardware computes it natively, else float32 (never float16 on
-    CPU, whose matmuls fall back to a scalar path). See docs/architecture.md for the measurement."""
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False

@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def speculative_config_from(args: argparse.Namespace) -> dict | None:
     """--speculative-config's JSON with the short flags laid over it; None when none is given."""
-    from twostep.spec_decode.config import SpeculativeConfig
+    from twostep.config import SpeculativeConfig
 
     base = SpeculativeConfig.parse(args.speculative_config)
     config = {} if base is None else {k: getattr(base, k) for k in base.__slots__}
@@ -133,7 +133,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from twostep.core.engine import LLMEngine
+    from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import run_server
 
     engine = LLMEngine(engine_config_from(args))
@@ -148,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from twostep.core.engine import LLMEngine
+    from twostep.engine.llm_engine import LLMEngine
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -1,5 +1,5 @@
-"""How one layer's K/V are stored: the model's float type, or 8 bits with a scale per token
-and per KV head (int8, fp8 e4m3, fp8 e5m2).
+"""One layer's K/V cache and how new K/V are written to it: the model's float type, or 8 bits
+with a scale per token and per KV head (int8, fp8 e4m3, fp8 e5m2; config/kv_cache_dtype.py).
 
 Scales are dynamic (absmax of each token's head vector), so no calibration is needed, and
 stored in bfloat16 beside the blocks: 2 bytes per head_dim values, ~3% overhead at head_dim 64.
@@ -12,43 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCALE_DTYPE = torch.bfloat16
-
-
-@dataclass(slots=True, frozen=True)
-class KVFormat:
-    name: str
-    storage: torch.dtype | None     # None: the model's compute dtype
-    qmax: float | None = None       # largest stored magnitude; None: unscaled float storage
-
-    @property
-    def quantized(self) -> bool:
-        return self.qmax is not None
-
-    def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int, compute: torch.dtype) -> int:
-        """K and V of one token in every layer, scales included."""
-        storage = self.storage or compute
-        per_head = head_dim * torch.empty((), dtype=storage).element_size()
-        if self.quantized:
-            per_head += torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return 2 * layers * kv_heads * per_head
-
-
-KV_FORMATS = {
-    "auto": KVFormat("auto", None),
-    "bfloat16": KVFormat("bfloat16", torch.bfloat16),
-    "float16": KVFormat("float16", torch.float16),
-    "float32": KVFormat("float32", torch.float32),
-    "int8": KVFormat("int8", torch.int8, 127.0),
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
-}
-
-
-def kv_format(name: str) -> KVFormat:
-    if name not in KV_FORMATS:
-        raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_FORMATS)}")
-    return KV_FORMATS[name]
+from twostep.config.kv_cache_dtype import SCALE_DTYPE, KVFormat
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,3 +55,19 @@ class KVLayerCache:
         self.raw_values.index_fill_(1, index, 0)
         if self.scales is not None:
             self.scales.index_fill_(1, index, 0)
+
+
+def write_kv(cache: KVLayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new tokens' K and V at their slots (quantised first for 8-bit formats)."""
+    num_blocks, block_size, heads, dim = cache.values.shape[1:]
+    flat = cache.values.view(2, num_blocks * block_size, heads, dim)
+    if cache.scales is None:
+        flat[0].index_copy_(0, slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        return
+    raw = cache.raw_values.view(2, num_blocks * block_size, heads, dim)
+    scales = cache.scales.view(2, num_blocks * block_size, heads)
+    for i, x in enumerate((k, v)):
+        q, scale = quantize(x, cache.fmt)
+        raw[i].index_copy_(0, slots, q.view(raw.dtype))
+        scales[i].index_copy_(0, slots, scale)

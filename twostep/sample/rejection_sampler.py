@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.core.sampler import Sampler, SamplingRow, _sample_logprobs, apply_penalties
+from twostep.sample.sampler import Sampler, SamplingRow, _sample_logprobs, apply_penalties
 from twostep.outputs import PositionLogprobs
 
 

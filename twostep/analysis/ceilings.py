@@ -50,17 +50,15 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 
 def gemv_bandwidth(rows: int = 8192, cols: int = 4096, reps: int = 20) -> float:
-    """bf16 weight [rows, cols] times one row, as the engine computes it: PackedLinear (with the C++
-    matrix-vector kernel where it builds) where the CPU allows."""
-    from torch import nn
+    """bf16 weight [rows, cols] times one row, as the engine computes it: a Linear bound to the
+    platform's linear method (oneDNN packed, with the C++ matrix-vector kernel where it builds)."""
+    from twostep.layers.dispatch import apply_platform
+    from twostep.layers.linear import Linear
+    from twostep.platforms import get_platform
 
-    from twostep.layers.linear import PackedLinear, can_prepack, gemv_kernel
-
-    linear = nn.Linear(cols, rows, bias=False, dtype=torch.bfloat16)
-    if can_prepack(torch.bfloat16, torch.device("cpu")):
-        layer = PackedLinear.from_linear(linear, gemv_kernel(True))
-    else:
-        layer = linear
+    layer = Linear(cols, rows)
+    layer.weight.data = torch.randn(rows, cols).to(torch.bfloat16)
+    apply_platform(layer, get_platform(torch.device("cpu")), torch.bfloat16)
     x = torch.randn(1, cols, dtype=torch.bfloat16)
     with torch.inference_mode():
         seconds = _median_seconds(lambda: layer(x), reps)

@@ -10,7 +10,7 @@ Two things are held back from the client until they are settled:
 """
 from __future__ import annotations
 
-from twostep.core.tokenizer import Tokenizer
+from twostep.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

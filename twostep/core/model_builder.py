@@ -1,0 +1,116 @@
+"""One builder for a model and its cache, used by the engine (the target) and by the draft-model
+proposer alike: load the checkpoint, build the decoder, bind it to the platform's kernels, plan
+and allocate the paged KV cache with its block manager, and make the model runner."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from twostep.attention.selector import get_attention_backend
+from twostep.config import kv_format
+from twostep.core.model_runner import ModelRunner
+from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
+from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.layers.dispatch import apply_platform
+from twostep.models.config import ModelConfig
+from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.loader import LoadedCheckpoint, build_model, load_checkpoint
+from twostep.platforms import Platform
+from twostep.sample.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CacheSpec:
+    """How big the paged KV cache is and how it stores K/V."""
+
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None              # exact count (tests, the draft's = the target's)
+    memory: str | int | None = None            # else a byte budget ("2GiB")
+    memory_fraction: float = 0.25              # else this fraction of free memory,
+    max_num_seqs: int = 64                     # capped at what this many full-length sequences use
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    path: str
+    dtype: torch.dtype
+    platform: Platform
+    max_model_len: int | None = None           # None: what the model supports
+    cap_max_model_len: bool = False            # True: cap at the model's limit instead of refusing
+    attention_backend: str = "auto"
+
+
+@dataclass(slots=True)
+class ModelInstance:
+    """A loaded model with its cache, ready to run steps."""
+
+    path: str
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    model: DecoderForCausalLM
+    kv_plan: KVCachePlan
+    kv_manager: KVCacheManager
+    runner: ModelRunner
+    checkpoint: LoadedCheckpoint               # its tokenizer source and generation config (no tensors)
+
+
+def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) -> ModelInstance:
+    device = spec.platform.device
+    ckpt = load_checkpoint(spec.path, spec.dtype)
+    config = ckpt.config
+    max_model_len = resolve_max_model_len(config, spec.max_model_len, spec.cap_max_model_len)
+    model = build_model(ckpt, spec.dtype, device, max_model_len)
+    ckpt.tensors = {}
+    for line in apply_platform(model, spec.platform, spec.dtype):
+        logger.info(line)
+    fmt = kv_format(cache.kv_cache_dtype)
+    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
+    kv_caches = allocate_kv_cache(plan, config.num_layers, config.num_kv_heads, config.head_dim,
+                                  spec.dtype, device, fmt)
+    backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
+    runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
+    kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,
+                         kv_manager, runner, ckpt)
+
+
+def resolve_max_model_len(config: ModelConfig, requested: int | None, cap: bool = False) -> int:
+    limit = config.max_position_embeddings
+    if config.sliding_window is not None and config.sliding_window < limit:
+        logger.info("capping max_model_len at the sliding window (%d): within it attention is "
+                    "exactly full causal", config.sliding_window)
+        limit = config.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        if cap:
+            return limit
+        raise ValueError(f"max_model_len {requested} exceeds what the model supports "
+                         f"({limit}{' (sliding window)' if limit == config.sliding_window else ''})")
+    return requested
+
+
+def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec,
+             max_model_len: int) -> KVCachePlan:
+    """The pool sizes itself in bytes: an 8-bit format gets about twice bf16's blocks."""
+    fmt = kv_format(cache.kv_cache_dtype)
+    per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    plan = plan_kv_cache(per_token, cache.block_size, device, cache.memory, cache.memory_fraction,
+                         cache.max_num_seqs * max_model_len, cache.num_blocks)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if fmt.quantized:
+        plain = kv_format("auto").bytes_per_token(config.num_layers, config.num_kv_heads,
+                                                  config.head_dim, dtype)
+        logger.info("%s KV: %.2fx the tokens of %s KV in the same memory", fmt.name, plain / per_token,
+                    dtype_name)
+    return dataclasses.replace(plan, kv_dtype=fmt.name if fmt.storage else dtype_name,
+                               scaled=fmt.quantized)

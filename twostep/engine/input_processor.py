@@ -1,0 +1,113 @@
+"""Prompt in, requests out: tokenize (chat template for conversations), check what the model and
+the engine allow, and fan a request with n > 1 out into child requests. No side effects: a prompt
+that fails a check leaves the engine as it was."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from twostep.config import EngineConfig
+from twostep.core.request import Request
+from twostep.engine.parallel_sampling import ParentRequest, child_params
+from twostep.outputs import RequestMetrics, SpecDecodeStats
+from twostep.sample.sampler import make_generator
+from twostep.sampling_params import SamplingParams
+from twostep.tokenizer.tokenizer import Tokenizer
+
+PromptInput = str | list[int]
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None                       # the text, when the prompt was text
+    requests: list[Request]                  # one, or n children
+    parent: ParentRequest | None = None      # n > 1: merges the children's outputs
+
+    @property
+    def request_ids(self) -> list[str]:
+        ids = [r.request_id for r in self.requests]
+        return ids if self.parent is None else [self.parent.request_id, *ids]
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int                  # the whole KV cache, in tokens
+    eos_token_ids: frozenset[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig, limits: ModelLimits,
+                 device: torch.device, speculative: bool) -> None:
+        self.tokenizer, self.config, self.limits = tokenizer, config, limits
+        self.device, self.speculative = device, speculative
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """A conversation through the model's chat template, as token ids."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+
+    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                arrival_time: float) -> ProcessedPrompt:
+        """Raises ValueError naming what is wrong with the prompt or params."""
+        self._check_params(params)
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids)
+        if params.n == 1:
+            return ProcessedPrompt(text, [self._make_request(request_id, ids, params, arrival_time)])
+        parent = ParentRequest(request_id, params.n)
+        children = [self._make_request(cid, ids, child_params(params, i), arrival_time)
+                    for i, cid in enumerate(parent.child_ids)]
+        return ProcessedPrompt(text, children, parent)
+
+    def _make_request(self, request_id: str, ids: list[int], params: SamplingParams,
+                      arrival_time: float) -> Request:
+        params = dataclasses.replace(params)
+        params.all_stop_token_ids = set() if params.ignore_eos else set(self.limits.eos_token_ids)
+        max_len = self.limits.max_model_len
+        limit = max_len if params.max_tokens is None else len(ids) + params.max_tokens
+        return Request(
+            request_id=request_id, prompt_token_ids=ids, params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids),
+                                   spec_decode=SpecDecodeStats() if self.speculative else None),
+            generator=make_generator(params.seed, self.device),
+            max_total_tokens=min(limit, max_len),
+        )
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: limits that depend on the model and engine."""
+        vocab, c = self.limits.vocab_size, self.config
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > c.max_logprobs:
+                raise ValueError(f"{name} must be <= {c.max_logprobs} (--max-logprobs), got {value}")
+        if params.n > c.max_n:
+            raise ValueError(f"n must be <= {c.max_n}, got {params.n}")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        vocab, max_len = self.limits.vocab_size, self.limits.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: give at least one character or token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}, "
+                             "which must leave room for at least one generated token")
+        if len(ids) + 1 > self.limits.kv_capacity_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds "
+                             f"{self.limits.kv_capacity_tokens}; raise --kv-cache-memory")

@@ -1,0 +1,226 @@
+"""The engine: construction and the step loop. A step is three calls, as vLLM v1's EngineCore.step:
+the scheduler's plan, one forward pass over it, the scheduler's update from its results; then the
+output processor turns what changed into RequestOutputs. Everything else has its own module:
+inputs (input_processor.py), outputs (output_processor.py), scheduling and request/KV state
+(core/scheduler.py), the model and its cache (core/model_builder.py)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from twostep.config import EngineConfig
+from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
+from twostep.core.outputs import SchedulerOutput
+from twostep.core.proposer import Proposer
+from twostep.core.scheduler import Scheduler
+from twostep.engine.input_processor import InputProcessor, ModelLimits, PromptInput
+from twostep.engine.output_processor import OutputProcessor
+from twostep.engine.trace import StepTracer
+from twostep.models.loader import resolve_model_path
+from twostep.outputs import RequestOutput
+from twostep.platforms import get_platform, resolve_device, resolve_dtype
+from twostep.sample.sampler import Sampler
+from twostep.sampling_params import SamplingParams
+from twostep.spec_decode.proposer import make_proposer
+from twostep.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.platform = get_platform(resolve_device(config.device), config.cpu_prepack_weights,
+                                     config.cpu_gemv)
+        self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.target = build_model_instance(
+            ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
+                      attention_backend=config.attention_backend),
+            CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
+                      config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
+                      config.max_num_seqs),
+            sampler)
+        t = self.target
+        self.model_path, self.model_config, self.max_model_len = t.path, t.config, t.max_model_len
+        self.kv_plan, self.runner = t.kv_plan, t.runner
+        self.tokenizer = _make_tokenizer(t.checkpoint.tokenizer_source)
+        self.generation_config = dict(t.checkpoint.generation_config or {})
+        logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
+                    min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)
+        self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.proposer: Proposer | None = (make_proposer(config, t, self.platform, sampler)
+                                          if config.speculative_config else None)
+        self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
+        limits = ModelLimits(t.config.vocab_size, self.max_model_len, self.kv_plan.num_tokens,
+                             frozenset(self.eos_token_ids))
+        self.input_processor = InputProcessor(self.tokenizer, config, limits, self.device,
+                                              speculative=self.proposer is not None)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tracer: StepTracer | None = None          # set by enable_tracing()
+        self._pending: list[RequestOutput] = []        # aborts' final outputs, for the next step()
+        self._next_id = 0
+        logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d", t.path,
+                    t.config.architecture, t.config.num_layers, str(self.dtype).removeprefix("torch."),
+                    self.device, self.max_model_len)
+
+    @classmethod
+    def from_args(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision, one forward pass, one token (or a few, with speculative
+        decoding) for each request that completed its known tokens. Returns outputs of requests
+        that changed."""
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self.output_processor.process(core_outputs)
+        for request_id, stop_string in processed.stopped_by_string:
+            self.scheduler.finish_requests([request_id], "stop", stop_string)
+        self._forget_released()
+        if not scheduler_output.is_empty:
+            self._propose()
+        self._trace(start, scheduler_output)
+        outputs, self._pending = self._pending + processed.outputs, []
+        return outputs
+
+    def _propose(self) -> None:
+        """Drafts for every request whose next step is a decode; the next step verifies them."""
+        if self.proposer is None:
+            return
+        candidates = self.scheduler.draft_candidates(self.config.speculative_config.num_speculative_tokens)
+        if candidates:
+            requests, ks = map(list, zip(*candidates))
+            self.scheduler.update_draft_token_ids(requests, self.proposer.propose(requests, ks))
+
+    def _forget_released(self) -> None:
+        """Requests that finished or were preempted: the proposer drops what it held for them."""
+        for request_id in self.scheduler.take_released():
+            if self.proposer is not None:
+                self.proposer.remove(request_id)
+
+    def _trace(self, start: float, scheduler_output: SchedulerOutput) -> None:
+        if self.tracer is None:
+            return
+        for request in scheduler_output.preempted:
+            self.tracer.record_preemption(request.request_id, start)
+        if scheduler_output.is_empty:
+            return
+        parts = [(s.request.request_id, 0 if s.is_decode else s.num_tokens, int(s.is_decode))
+                 for s in scheduler_output.scheduled]
+        kv = self.scheduler.kv_stats()
+        self.tracer.record_step(start, time.monotonic(), parts, kv["blocks_in_use"],
+                                kv["prefix_cache_hits"], self.scheduler.num_preemptions)
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The model authors' defaults from generation_config.json (temperature, top_p, top_k,
+        min_p, repetition_penalty; do_sample=false means greedy), else SamplingParams()."""
+        g = self.generation_config
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        found = {k: g[k] for k in keys if g.get(k) is not None}
+        if g.get("do_sample") is False:
+            found["temperature"] = 0.0
+        return SamplingParams(**found)
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate, tokenize and queue a request; raises ValueError on bad input, leaving
+        the engine and every other request untouched."""
+        params = params or self.default_sampling_params()
+        if request_id is None:
+            request_id = self._new_id()
+        processed = self.input_processor.process(prompt, params, request_id,
+                                                 arrival_time or time.monotonic())
+        for rid in processed.request_ids:
+            if self.output_processor.is_known(rid):
+                raise ValueError(f"request_id {rid!r} is already in use")
+        self.output_processor.add(processed)
+        for request in processed.requests:
+            self.scheduler.add_request(request)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True,
+                      finish_reason: str = "abort", stop_reason: str | None = None) -> None:
+        """Stop requests wherever they are and free their blocks. Their final output
+        (finish_reason "abort" unless told otherwise, e.g. "length" with stop_reason
+        "timeout" for a deadline) comes from the next step(), unless emit_output is False."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        ids = self.output_processor.expand_parents(request_ids)
+        for request in self.scheduler.finish_requests(ids, finish_reason, stop_reason):
+            out = self.output_processor.finish(request.request_id, finish_reason, stop_reason)
+            if emit_output:
+                self._pending.append(out)
+        self._forget_released()
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request runs, waits, or has an output (an abort's) not yet returned."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def _new_id(self) -> str:
+        while True:
+            self._next_id += 1
+            rid = f"req-{self._next_id}"
+            if not self.output_processor.is_known(rid):
+                return rid
+
+    # ---- figures ---------------------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        """Counters since start, and what follows from them."""
+        st = self.scheduler.stats
+        return {
+            "num_steps": st.num_steps, "num_prefill_tokens": st.num_prefill_tokens,
+            "num_decode_tokens": self.output_processor.num_generated_tokens,
+            "num_preemptions": st.num_preemptions, "peak_blocks_used": st.peak_blocks_used,
+        } | self.scheduler.kv_stats() | (
+            {f"spec_decode_{k}": v for k, v in self.scheduler.spec_stats.as_dict().items()}
+            if self.proposer else {})
+
+    def enable_tracing(self) -> StepTracer:
+        """Record every step and request from now on (Chrome trace-event JSON)."""
+        if self.tracer is None:
+            self.tracer = self.output_processor.tracer = StepTracer()
+        return self.tracer
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests (cached-but-evictable blocks count as free)."""
+        return self.scheduler.kv_cache_usage
+
+
+def _make_tokenizer(source) -> Tokenizer:
+    """From a checkpoint's tokenizer source: an HF folder, or what a GGUF file carries."""
+    if isinstance(source, str):
+        return Tokenizer.from_folder(source)
+    return Tokenizer(source.tokenizer, source.tokenizer_config, source.generation_config)
+
+
+def _eos_ids(tokenizer: Tokenizer, model_config, path: str) -> set[int]:
+    ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+    if not ids:
+        logger.warning("model %s declares no EOS token: generation stops only at max_tokens, "
+                       "stop strings or stop_token_ids", path)
+    return ids

@@ -1,0 +1,49 @@
+"""The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
+linears with a matrix-vector kernel for 1-3 rows (linear.py), RMSNorm and rotary as one C++ call
+each (elementwise.py), paged decode attention in C++ (paged_attention.py). Each only where its
+kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from twostep import kernels
+from twostep.platforms.cpu.elementwise import elementwise_op
+from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
+from twostep.platforms.cpu.paged_attention import paged_decode_attention
+from twostep.platforms.interface import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, prepack_weights: bool = True, gemv: bool = True) -> None:
+        super().__init__(device)
+        self.prepack_weights, self.gemv = prepack_weights, gemv
+        self._linear_methods: dict[torch.dtype, PackedLinearMethod | None] = {}
+
+    def default_dtype(self) -> torch.dtype:
+        """bfloat16 where oneDNN computes it natively, else float32 (never float16 on CPU, whose
+        matmuls fall back to a scalar path). See docs/architecture.md for the measurement."""
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+
+    def linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | None:
+        if dtype not in self._linear_methods:
+            usable = self.prepack_weights and can_prepack(dtype, self.device)
+            self._linear_methods[dtype] = PackedLinearMethod(
+                kernels.linear_bf16() if self.gemv else None) if usable else None
+        return self._linear_methods[dtype]
+
+    def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
+        return elementwise_op(kernels.elementwise(), name, dtype)
+
+    def paged_decode_attention(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
+        return paged_decode_attention(kernels.paged_attention(), dtype, quantized_kv)
+
+
+def has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

@@ -1,0 +1,32 @@
+"""What a platform decides, once at load: the default dtype, and for each op that has a faster
+platform implementation (a linear method, "rms_norm", "rotary", paged decode attention) whether to
+use it for this dtype. This base class answers with PyTorch's native code everywhere."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Platform:
+    name = "native"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def default_dtype(self) -> torch.dtype:
+        if self.device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+
+    def linear_method(self, dtype: torch.dtype):
+        """A LinearMethod (layers/linear.py) for unquantized weights of this dtype, or None: F.linear."""
+        return None
+
+    def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
+        """This platform's implementation of a CustomOp (layers/custom_op.py), or None: native."""
+        return None
+
+    def paged_decode_attention(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
+        """A kernel for decode attention over the paged cache (attention/paged_decode.py), or None."""
+        return None
