@@ -7,6 +7,7 @@ run: setup
 	.venv/bin/twostep generate --chat "$(PROMPT)"
 
 test: setup-test
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q
 
 setup:

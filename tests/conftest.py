@@ -1,14 +1,28 @@
 """Tiny random-initialised models of each supported architecture, built with transformers
-and saved as real HF folders (config.json, model.safetensors, tokenizer.json)."""
+and saved as real HF folders (config.json, model.safetensors, tokenizer.json), and the helpers
+and fixtures that test modules share (tests import them with `from conftest import ...`; no test
+module imports another)."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
+from twostep import SamplingParams
+from twostep.config import EngineConfig
+from twostep.engine.llm_engine import LLMEngine
+
+ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 STORIES_SHA256 = "270cba1bd5109f42d03350f60406024560464db173c0e387d91f0426d3bd256d"
 
@@ -117,3 +131,187 @@ def smollm_path() -> Path:
     from twostep.models.loader import default_model_path
 
     return Path(default_model_path())
+
+
+# ---- prompts, transformers' greedy output and engines over a model folder ----------------------
+
+PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 64]
+
+
+def random_prompts(lengths=PROMPT_LENGTHS, seed=1, vocab=384):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_for(folder, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32",
+                                  kv_cache_memory=kw.pop("kv_cache_memory", "8MiB"), **kw))
+
+
+# ---- greedy references and an engine driven to completion step by step ----------------------
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    hf = load_hf(folder)
+    prompts = random_prompts()
+    return folder, prompts, [hf_greedy(hf, p, 32) for p in prompts]
+
+
+def nan_filled_kv_cache(*args, **kwargs):
+    """allocate_kv_cache with every value NaN: the worst garbage an uninitialised cache can hold."""
+    from twostep.kv.cache_tensors import allocate_kv_cache
+
+    caches = allocate_kv_cache(*args, **kwargs)
+    for cache in caches:
+        cache.values.fill_(float("nan"))
+    return caches
+
+
+def run_all(engine, prompts, params=GREEDY, check_every_step=True):
+    """Drive the engine step by step, checking block accounting after every step."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check_every_step:
+            engine.scheduler.kv.check_integrity()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks, "blocks leaked"
+    return [done[i] for i in ids]
+
+
+# ---- a `twostep serve` subprocess and the HTTP helpers to drive it ----------------------------
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `twostep serve` subprocess; its stdout and stderr go to a log file."""
+
+    def __init__(self, folder: Path, log_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self.cmd = [sys.executable, "-m", "twostep.cli", "serve", "--model", str(folder),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                    "--kv-cache-memory", "16MiB", "--served-model-name", MODEL, *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def output(self, tail: int = 6000) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:]
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before becoming healthy:\n"
+                            f"{' '.join(self.cmd)}\n{self.output()}")
+            try:
+                if httpx.get(self.url("/health"), timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail(f"server not healthy after {timeout:.0f} s:\n{self.output()}")
+
+    def terminate(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait; the exit code, or None if it had to be killed."""
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def parse_sse(lines) -> list[dict]:
+    """The JSON payloads of an SSE body; it must end with `data: [DONE]` and nothing after it."""
+    chunks: list[dict] = []
+    done = False
+    for line in lines:
+        if not line.strip():
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        payload = line[len("data: "):]
+        assert not done, f"data after [DONE]: {line!r}"
+        if payload.strip() == "[DONE]":
+            done = True
+            continue
+        chunks.append(json.loads(payload))
+    assert done, f"stream did not end with data: [DONE]; last chunks: {chunks[-2:]}"
+    return chunks
+
+
+def stream_post(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
+    with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, (r.status_code, r.read())
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        return parse_sse(r.iter_lines())
+
+
+def stream_text(chunks: list[dict], chat: bool) -> dict[int, str]:
+    """Per choice index, the streamed deltas joined."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            piece = (ch["delta"].get("content") or "") if chat else ch["text"]
+            texts[ch["index"]] = texts.get(ch["index"], "") + piece
+    return texts
+
+
+def tokenize(server, text: str) -> dict:
+    r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scrape(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url("/metrics"), timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain"), r.headers
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def metric(families: dict, family: str, sample: str | None = None, **labels) -> float:
+    """Sum of a family's samples named `sample` (default: the family's value samples) that
+    carry the given labels."""
+    fam = families.get(family)
+    assert fam is not None, f"{family} not in /metrics: {sorted(families)}"
+    if sample is None:
+        sample = family + ("_total" if fam.type == "counter" else "")
+    return sum(s.value for s in fam.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_hf
-from test_models import engine_for, random_prompts
+from conftest import engine_for, load_hf, random_prompts
 from twostep import LLM, SamplingParams
 
 

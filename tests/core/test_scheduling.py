@@ -3,43 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_hf
-from test_models import engine_for, hf_greedy, random_prompts
+from conftest import GREEDY, engine_for, load_hf, nan_filled_kv_cache, random_prompts, run_all
 from twostep import SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    folder = tiny_model_dir("llama")
-    hf = load_hf(folder)
-    prompts = random_prompts()
-    return folder, prompts, [hf_greedy(hf, p, 32) for p in prompts]
-
-
-def nan_filled_kv_cache(*args, **kwargs):
-    """allocate_kv_cache with every value NaN: the worst garbage an uninitialised cache can hold."""
-    from twostep.kv.cache_tensors import allocate_kv_cache
-
-    caches = allocate_kv_cache(*args, **kwargs)
-    for cache in caches:
-        cache.values.fill_(float("nan"))
-    return caches
-
-
-def run_all(engine, prompts, params=GREEDY, check_every_step=True):
-    """Drive the engine step by step, checking block accounting after every step."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if check_every_step:
-            engine.scheduler.kv.check_integrity()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks, "blocks leaked"
-    return [done[i] for i in ids]
 
 
 @pytest.mark.parametrize("budget", [1, 7, 64])
@@ -167,7 +132,7 @@ def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "llama-bias"])
 def test_every_architecture_is_invariant_to_chunks_blocks_and_preemption(tiny_model_dir, arch):
-    from test_models import hf_greedy
+    from conftest import hf_greedy
 
     folder = tiny_model_dir(arch)
     hf = load_hf(folder)

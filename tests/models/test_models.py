@@ -4,29 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCH_CONFIGS, load_hf
+from conftest import ARCH_CONFIGS, engine_for, hf_greedy, load_hf, random_prompts
 from twostep import SamplingParams
 from twostep.engine.llm_engine import LLMEngine
 from twostep.config import EngineConfig
 
 ARCHS = list(ARCH_CONFIGS)
-PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 64]
-
-
-def random_prompts(lengths=PROMPT_LENGTHS, seed=1, vocab=384):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def engine_for(folder, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(folder), dtype="float32",
-                                  kv_cache_memory=kw.pop("kv_cache_memory", "8MiB"), **kw))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

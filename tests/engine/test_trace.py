@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from test_models import engine_for, random_prompts
+from conftest import engine_for, random_prompts
 from twostep import SamplingParams
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twostep.layers.norm import RMSNorm
-from twostep.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate_native
+from twostep.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from twostep.platforms.cpu.elementwise import elementwise_op
 
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QType
 
 from twostep.models.gguf_loader import GGUFCheckpoint, load_gguf
 
-SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+SHARED_MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 STORIES = "stories260K.gguf"
 STORIES_SHA256 = "270cba1bd5109f42d03350f60406024560464db173c0e387d91f0426d3bd256d"
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_models import engine_for
-from test_scheduling import reference, run_all  # noqa: F401  (reference is a fixture)
+from conftest import engine_for, run_all
 from twostep.attention.backend import HybridBackend
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata

@@ -19,7 +19,7 @@ from twostep.bench import serve, workloads
 from twostep.bench.serve import DONE, RequestTiming, SSEParser, poisson_gaps, summarize
 from twostep.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- metrics -----------------------------------------------------------------------------------

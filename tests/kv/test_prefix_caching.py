@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from test_models import engine_for
-from test_scheduling import run_all
+from conftest import engine_for, run_all
 from twostep import SamplingParams
 from twostep.kv.block_hash import BlockKey, block_key, chain_keys
 from twostep.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock

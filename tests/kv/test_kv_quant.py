@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import smollm_path
-from test_models import engine_for, random_prompts
-from test_scheduling import run_all
+from conftest import engine_for, random_prompts, run_all, smollm_path
 from twostep import SamplingParams
 from twostep.attention.kv_layer_cache import dequantize, quantize
 from twostep.config import kv_format

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_models import random_prompts
+from conftest import random_prompts
 from twostep import EngineConfig, LLMEngine, SamplingParams
 from twostep.layers.linear import Linear
 from twostep.platforms.cpu.linear import GEMV_MAX_ROWS, PackedLinearMethod, can_prepack, packed_linear

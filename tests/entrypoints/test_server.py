@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,11 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import make_tiny_model
+from conftest import (MODEL, ROOT, Server, make_tiny_model, metric, parse_sse, scrape, stream_post,
+                      stream_text, tokenize)
 from twostep import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "tiny"
 MAX_MODEL_LEN = 64          # of the main server: a too-long prompt is cheap to send
 LONG_MAX_TOKENS = 16000     # takes the tiny model well over 20 s on two CPU cores
 
@@ -43,66 +40,6 @@ COUNTERS = ["prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefi
 
 
 # ---- the server process --------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `twostep serve` subprocess; its stdout and stderr go to a log file."""
-
-    def __init__(self, folder: Path, log_dir: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self.cmd = [sys.executable, "-m", "twostep.cli", "serve", "--model", str(folder),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                    "--kv-cache-memory", "16MiB", "--served-model-name", MODEL, *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
-
-    def url(self, path: str) -> str:
-        return self.base + path
-
-    def output(self, tail: int = 6000) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return text[-tail:]
-
-    def _wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before becoming healthy:\n"
-                            f"{' '.join(self.cmd)}\n{self.output()}")
-            try:
-                if httpx.get(self.url("/health"), timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        pytest.fail(f"server not healthy after {timeout:.0f} s:\n{self.output()}")
-
-    def terminate(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM and wait; the exit code, or None if it had to be killed."""
-        if self.proc.poll() is not None:
-            return self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
 
 def serve(folder: Path, log_dir: Path, *extra: str):
     """Fixture body: a server for the module, shut down with SIGTERM, which must exit 0."""
@@ -160,41 +97,6 @@ def client(server):
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def parse_sse(lines) -> list[dict]:
-    """The JSON payloads of an SSE body; it must end with `data: [DONE]` and nothing after it."""
-    chunks: list[dict] = []
-    done = False
-    for line in lines:
-        if not line.strip():
-            continue
-        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
-        payload = line[len("data: "):]
-        assert not done, f"data after [DONE]: {line!r}"
-        if payload.strip() == "[DONE]":
-            done = True
-            continue
-        chunks.append(json.loads(payload))
-    assert done, f"stream did not end with data: [DONE]; last chunks: {chunks[-2:]}"
-    return chunks
-
-
-def stream_post(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
-    with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
-        assert r.status_code == 200, (r.status_code, r.read())
-        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
-        return parse_sse(r.iter_lines())
-
-
-def stream_text(chunks: list[dict], chat: bool) -> dict[int, str]:
-    """Per choice index, the streamed deltas joined."""
-    texts: dict[int, str] = {}
-    for chunk in chunks:
-        for ch in chunk["choices"]:
-            piece = (ch["delta"].get("content") or "") if chat else ch["text"]
-            texts[ch["index"]] = texts.get(ch["index"], "") + piece
-    return texts
-
-
 def finish_reasons(chunks: list[dict]) -> dict[int, str]:
     out: dict[int, str] = {}
     for chunk in chunks:
@@ -223,12 +125,6 @@ def assert_error(r: httpx.Response, status: int) -> dict:
     return err
 
 
-def tokenize(server, text: str) -> dict:
-    r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "prompt": text}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def first_clean_window(text: str, width: int = 3) -> str:
     """A substring of `text` after its first character without replacement characters."""
     for i in range(1, len(text) - width):
@@ -240,26 +136,6 @@ def first_clean_window(text: str, width: int = 3) -> str:
 
 def close(a: float, b: float, tol: float = 1e-4) -> bool:
     return abs(a - b) < tol
-
-
-def scrape(server) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = httpx.get(server.url("/metrics"), timeout=30)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain"), r.headers
-    return {f.name: f for f in text_string_to_metric_families(r.text)}
-
-
-def metric(families: dict, family: str, sample: str | None = None, **labels) -> float:
-    """Sum of a family's samples named `sample` (default: the family's value samples) that
-    carry the given labels."""
-    fam = families.get(family)
-    assert fam is not None, f"{family} not in /metrics: {sorted(families)}"
-    if sample is None:
-        sample = family + ("_total" if fam.type == "counter" else "")
-    return sum(s.value for s in fam.samples
-               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def wait_idle(server, timeout: float) -> dict:

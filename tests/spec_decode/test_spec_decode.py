@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_hf, make_tiny_model
-from test_models import engine_for, random_prompts
-from test_scheduling import GREEDY, nan_filled_kv_cache, reference, run_all  # noqa: F401  (reference is a fixture)
+from conftest import (GREEDY, engine_for, load_hf, make_tiny_model, nan_filled_kv_cache, random_prompts,
+                      run_all)
 from twostep import SamplingParams
 from twostep.sample.sampler import Sampler, SamplingRow
 from twostep.config import SpeculativeConfig
@@ -350,7 +349,7 @@ def test_cli_summary_reports_acceptance(tiny_model_dir, capsys):
 def test_server_streams_speculative_output_and_exports_vllm_counters(tiny_model_dir, tmp_path):
     import httpx
 
-    from test_server import MODEL, Server, metric, scrape, stream_post, stream_text, tokenize
+    from conftest import MODEL, Server, metric, scrape, stream_post, stream_text, tokenize
 
     folder = tiny_model_dir("qwen2")
     server = Server(folder, tmp_path, "--speculative-config", '{"method": "draft_model", "model": "%s", '

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
 _spec = importlib.util.spec_from_file_location("benchmarks_compare", _PATH)
 compare = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)   # dataclasses need it
 _spec.loader.exec_module(compare)
