@@ -160,7 +160,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        prompt = engine.tokenizer.encode_chat(messages)
+        prompt = engine.input_processor.encode_chat(messages)
     rid = engine.add_request(prompt, params)
     final = None
     while engine.has_unfinished_requests():

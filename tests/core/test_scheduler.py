@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from twostep.core.outputs import ModelRunnerOutput, SchedulerOutput, StepResult
+from twostep.core.step_outputs import ModelRunnerOutput, SchedulerOutput, StepResult
 from twostep.core.request import Request, RequestStatus
 from twostep.core.scheduler import Scheduler
 from twostep.kv.block_pool import NULL_BLOCK_ID

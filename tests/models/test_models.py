@@ -179,7 +179,7 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
                                         cpu_prepack_weights=packed, cpu_gemv=False,
                                         enable_prefix_caching=False))
         assert any(isinstance(getattr(m, "method", None), PackedLinearMethod)
-                   for m in engine.target.model.modules()) == packed
+                   for m in engine.model.modules()) == packed
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         logits[packed] = engine.runner.all_logits(engine.scheduler.schedule())

@@ -82,13 +82,13 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
     kernel = kernel_or_skip()
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32",
                                     kv_cache_memory="4MiB"))
-    norms = [m for m in engine.target.model.modules() if isinstance(m, RMSNorm)]
-    assert engine.target.model.rotary.impl is kernel.rotary
+    norms = [m for m in engine.model.modules() if isinstance(m, RMSNorm)]
+    assert engine.model.rotary.impl is kernel.rotary
     assert norms and all(m.impl is RMSNorm.forward_native for m in norms)     # float32: torch ops
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16",
                                     kv_cache_memory="4MiB"))
-    assert engine.target.model.rotary.impl is kernel.rotary
-    assert all(m.impl is kernel.rms_norm for m in engine.target.model.modules() if isinstance(m, RMSNorm))
+    assert engine.model.rotary.impl is kernel.rotary
+    assert all(m.impl is kernel.rms_norm for m in engine.model.modules() if isinstance(m, RMSNorm))
 
 
 def test_bf16_rms_norm_of_a_strided_view_as_qwen3s_q_norm():

@@ -89,7 +89,7 @@ def decode_logits(folder, gemv: bool, dtype="bfloat16"):
     """Logits of the first decode step of one request (one row per linear: the kernel's case)."""
     engine = LLMEngine(EngineConfig(model=str(folder), dtype=dtype, kv_cache_memory="4MiB",
                                     cpu_gemv=gemv, enable_prefix_caching=False))
-    layers = [m for m in engine.target.model.modules()
+    layers = [m for m in engine.model.modules()
               if isinstance(m, Linear) and isinstance(m.method, PackedLinearMethod)]
     assert all((m.method.gemv is not None) == gemv for m in layers)
     counter = CountingKernel(layers[0].method.gemv) if gemv else None

@@ -23,10 +23,12 @@ def get_attention_backend(name: str = "auto", platform: Platform | None = None,
         raise ValueError(f"unknown attention backend {name!r}: available: {', '.join(BACKENDS)}")
     platform = platform or get_platform(torch.device("cpu"))
     kv = kv or kv_format("auto")
+    if name == "cpu_paged" and platform.paged_decode_attention(torch.float32, False) is None:
+        raise ValueError("attention backend cpu_paged: its C++ kernel could not be built (see the log) "
+                         "or this is not a CPU")
+    # The cache's storage decides; where the kernel does not apply (8-bit or float16 caches),
+    # decodes take the reference path.
     kernel = None
-    if name in ("auto", "cpu_paged") and platform.name == "cpu":
-        if name == "cpu_paged" and platform.paged_decode_attention(torch.float32, False) is None:
-            raise ValueError("attention backend cpu_paged: its C++ kernel could not be built (see the log)")
-        # Where the kernel does not apply (8-bit caches, float16), decodes take the reference path.
-        kernel = platform.paged_decode_attention(dtype, kv.quantized)
+    if name != "reference":
+        kernel = platform.paged_decode_attention(kv.storage or dtype, kv.quantized)
     return HybridBackend(ReferencePrefill(), PagedDecode(kernel) if kernel else ReferenceDecode())

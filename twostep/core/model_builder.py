@@ -17,7 +17,7 @@ from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.dispatch import apply_platform
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
-from twostep.models.loader import LoadedCheckpoint, build_model, load_checkpoint
+from twostep.models.loader import build_model, load_checkpoint
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
 
@@ -45,6 +45,7 @@ class ModelSpec:
     max_model_len: int | None = None           # None: what the model supports
     cap_max_model_len: bool = False            # True: cap at the model's limit instead of refusing
     attention_backend: str = "auto"
+    vocab_size: int | None = None              # the vocabulary it must have (a draft: the target's)
 
 
 @dataclass(slots=True)
@@ -60,13 +61,17 @@ class ModelInstance:
     kv_plan: KVCachePlan
     kv_manager: KVCacheManager
     runner: ModelRunner
-    checkpoint: LoadedCheckpoint               # its tokenizer source and generation config (no tensors)
+    tokenizer_source: object                   # an HF folder, or the tokenizer a GGUF file carries
+    generation_config: dict
 
 
 def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) -> ModelInstance:
     device = spec.platform.device
     ckpt = load_checkpoint(spec.path, spec.dtype)
     config = ckpt.config
+    if spec.vocab_size is not None and config.vocab_size != spec.vocab_size:
+        raise ValueError(f"model {spec.path} has a vocabulary of {config.vocab_size} tokens where "
+                         f"{spec.vocab_size} are needed: a draft must share the target's tokenizer")
     max_model_len = resolve_max_model_len(config, spec.max_model_len, spec.cap_max_model_len)
     model = build_model(ckpt, spec.dtype, device, max_model_len)
     ckpt.tensors = {}
@@ -80,7 +85,7 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
     kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,
-                         kv_manager, runner, ckpt)
+                         kv_manager, runner, ckpt.tokenizer_source, dict(ckpt.generation_config or {}))
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None, cap: bool = False) -> int:

@@ -15,7 +15,7 @@ import torch
 from twostep.attention.backend import AttentionBackend
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata
-from twostep.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
+from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.sample.rejection_sampler import DraftRow, RejectionSampler

@@ -16,7 +16,9 @@ Draft = tuple[list[int], "torch.Tensor | None"]
 
 class Proposer(Protocol):
     def propose(self, requests: list[Request], ks: list[int]) -> list[Draft]:
-        """Up to ks[i] drafts for requests[i] (read-only: the scheduler stores them)."""
+        """Up to ks[i] drafts for requests[i]. Reads the requests' tokens and nothing else of them
+        (a draft model samples with their generators, as the target would); the scheduler stores
+        the drafts."""
         ...
 
     def remove(self, request_id: str) -> None:

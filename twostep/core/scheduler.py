@@ -10,7 +10,9 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 After the model ran, update_from_output() applies the step to the requests and the KV cache:
 computed tokens, appended tokens (accepted drafts included), rejected draft slots trimmed, full
 blocks registered in the prefix cache, stop rules (core/stop.py), finished requests' blocks freed.
-Nothing else writes request or KV state after a step (vLLM v1's Scheduler.update_from_output).
+Nothing else writes request or KV state after a step (vLLM v1's Scheduler.update_from_output);
+of a request's RequestMetrics it writes the scheduling fields, the output processor the token
+timings.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Iterable
 
 import torch
 
-from twostep.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+from twostep.core.step_outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                   SchedulerOutput, StepResult)
 from twostep.core.request import Request, RequestStatus
 from twostep.core.stop import check_stop
@@ -203,6 +205,7 @@ class Scheduler:
             request.num_prompt_logprobs += len(result.prompt_logprobs)
         # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.
         new_tokens: list[int] = []
+        stop = None
         for token in result.token_ids:
             request.append_token(token)
             new_tokens.append(token)
@@ -212,7 +215,8 @@ class Scheduler:
                 break
         return EngineCoreOutput(rid, new_tokens,
                                 result.logprobs[:len(new_tokens)] if result.logprobs else None,
-                                result.prompt_logprobs, request.finish_reason, request.stop_reason)
+                                result.prompt_logprobs, request.finish_reason, request.stop_reason,
+                                stopped_on_token=stop is not None and stop[0] == "stop")
 
     # ---- finishing, drafts, the cache's figures ------------------------------------------
 
@@ -262,9 +266,6 @@ class Scheduler:
         """The proposer's drafts ride on the requests to the next step, which verifies them."""
         for request, (tokens, probs) in zip(requests, drafts, strict=True):
             request.spec_token_ids, request.spec_draft_probs = tokens, probs
-
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.kv.can_ever_fit(num_tokens)
 
     @property
     def kv_cache_usage(self) -> float:

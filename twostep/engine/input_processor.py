@@ -1,6 +1,6 @@
-"""Prompt in, requests out: tokenize (chat template for conversations), check what the model and
-the engine allow, and fan a request with n > 1 out into child requests. No side effects: a prompt
-that fails a check leaves the engine as it was."""
+"""Prompt in, requests out: tokenize (encode_chat: a conversation through the chat template),
+check what the model and the engine allow, and fan a request with n > 1 out into child requests. No
+side effects: a prompt that fails a check leaves the engine as it was."""
 from __future__ import annotations
 
 import dataclasses

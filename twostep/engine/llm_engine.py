@@ -13,7 +13,7 @@ import torch
 
 from twostep.config import EngineConfig
 from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
-from twostep.core.outputs import SchedulerOutput
+from twostep.core.step_outputs import SchedulerOutput
 from twostep.core.proposer import Proposer
 from twostep.core.scheduler import Scheduler
 from twostep.engine.input_processor import InputProcessor, ModelLimits, PromptInput
@@ -39,18 +39,18 @@ class LLMEngine:
                                      config.cpu_gemv)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.target = build_model_instance(
+        target = build_model_instance(
             ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
                       attention_backend=config.attention_backend),
             CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
                       config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
                       config.max_num_seqs),
             sampler)
-        t = self.target
+        t = target
         self.model_path, self.model_config, self.max_model_len = t.path, t.config, t.max_model_len
-        self.kv_plan, self.runner = t.kv_plan, t.runner
-        self.tokenizer = _make_tokenizer(t.checkpoint.tokenizer_source)
-        self.generation_config = dict(t.checkpoint.generation_config or {})
+        self.model, self.runner, self.kv_plan = t.model, t.runner, t.kv_plan
+        self.tokenizer = _make_tokenizer(t.tokenizer_source)
+        self.generation_config = t.generation_config
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
                     min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)
         self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -2,15 +2,17 @@
 stop strings, cumulative outputs with their deltas, logprobs, n > 1 children merged into their
 parent, and the token-timing metrics (vLLM v1's OutputProcessor).
 
-It reads EngineCoreOutputs only and never touches a Request: a stop string it finds comes back to
-the engine as a request to finish, which the scheduler carries out."""
+It reads EngineCoreOutputs and never writes a Request's state: a stop string it finds comes back to
+the engine as a request to finish, which the scheduler carries out. It shares one object with the
+Request, its RequestMetrics: the token-timing fields (first/last token, token_times, generated
+tokens, finished) are written here, the scheduling ones by the scheduler."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from twostep.core.outputs import EngineCoreOutput
+from twostep.core.step_outputs import EngineCoreOutput
 from twostep.core.request import Request
 from twostep.engine.input_processor import ProcessedPrompt
 from twostep.engine.parallel_sampling import ParentRequest
@@ -111,7 +113,7 @@ class OutputProcessor:
             if logprobs is not None:
                 state.logprobs.append(logprobs)
                 state.cumulative_logprob += logprobs[token].logprob
-            if j == last and core.finish_reason == "stop":
+            if j == last and core.stopped_on_token:
                 break                            # EOS or a stop token id: not part of the text
             past_min = len(state.output_token_ids) >= p.min_tokens
             matched = state.detokenizer.update([token], check_stop=past_min)

@@ -45,7 +45,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or several, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -42,10 +42,11 @@ class KVCachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        """What the cache tensors take: the requests' blocks and the null block."""
+        return (self.num_blocks + 1) * self.block_size * self.bytes_per_token
 
     def describe(self) -> str:
-        return (f"KV cache ({self.kv_dtype}): {self.num_blocks} blocks x {self.block_size} tokens = "
+        return (f"KV cache ({self.kv_dtype}): {self.num_blocks} blocks (+ the null block) x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token "
                 f"(2 x layers x kv_heads x (head_dim x dtype bytes{' + scale' if self.scaled else ''})), "
                 f"{self.total_bytes / 2**20:.1f} MiB")

@@ -1,9 +1,10 @@
 """An op with a native PyTorch implementation that a platform may replace with a faster one,
 picked once at load (vLLM's CustomOp: forward_native / forward_cpu / forward_cuda).
 
-A subclass names its op (`op_name`) and defines `forward_native` as a static function of tensors;
-`forward` calls `self.impl`, which is forward_native unless layers/dispatch.py bound the
-platform's implementation of that op for the model's dtype. The layer itself knows no platform.
+A subclass names its op (`op_name`), defines `forward_native` as a static function of tensors and
+calls `self.impl` where it runs the op (RMSNorm in forward, RotaryEmbedding in the tables it hands
+each step); impl is forward_native unless layers/dispatch.py bound the platform's implementation of
+that op for the model's dtype. The layer itself knows no platform.
 """
 from __future__ import annotations
 

@@ -22,10 +22,12 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
         if getattr(method, "keeps_row_major", False):
             done.append(f"1-3 row inputs: C++ matrix-vector kernel; it keeps {_row_major_bytes(model) / 2**20:,.0f} "
                         "MiB of row-major weights beside the packed ones (--no-cpu-gemv to save them)")
-    switched = sorted({m.op_name for m in model.modules()
-                       if isinstance(m, CustomOp) and m.use(platform.custom_op(m.op_name, dtype))})
+    switched = set()
+    for m in model.modules():
+        if isinstance(m, CustomOp) and m.use(platform.custom_op(m.op_name, dtype)):
+            switched.add(m.op_name)
     if switched:
-        done.append(f"{' and '.join(switched)}: {platform.name} kernel")
+        done.append(f"{' and '.join(sorted(switched))}: {platform.name} kernel")
     return done
 
 
@@ -33,5 +35,5 @@ def _row_major_bytes(model: nn.Module) -> int:
     """Memory the row-major copies cost on top of the packed weights (a tied lm_head's is the
     embedding table, which exists anyway)."""
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, Linear) and m.weight is not None and m.weight.data_ptr() not in shared)
+    kept = [getattr(m, "row_major_weight", None) for m in model.modules() if isinstance(m, Linear)]
+    return sum(w.numel() * w.element_size() for w in kept if w is not None and w.data_ptr() not in shared)

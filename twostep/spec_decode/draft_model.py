@@ -17,7 +17,7 @@ import torch
 
 from twostep.config import DTYPES, EngineConfig, SpeculativeConfig
 from twostep.core.model_builder import CacheSpec, ModelInstance, ModelSpec, build_model_instance
-from twostep.core.outputs import ScheduledRequest
+from twostep.core.step_outputs import ScheduledRequest
 from twostep.core.request import Request
 from twostep.models.loader import resolve_model_path
 from twostep.platforms import Platform
@@ -40,13 +40,10 @@ class DraftModelProposer:
         # As many blocks as the target's pool, in the draft's own shape; no prefix caching.
         draft = build_model_instance(
             ModelSpec(resolve_model_path(config.model), dtype, platform, target.max_model_len,
-                      cap_max_model_len=True, attention_backend=engine.attention_backend),
+                      cap_max_model_len=True, attention_backend=engine.attention_backend,
+                      vocab_size=target.config.vocab_size),
             CacheSpec(engine.block_size, "auto", False, num_blocks=target.kv_plan.num_blocks),
             sampler)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"draft model {draft.path} has a vocabulary of {draft.config.vocab_size} "
-                             f"tokens, the target {target.config.vocab_size}: a draft must share the "
-                             "target's tokenizer")
         self.max_model_len = draft.max_model_len
         self.kv, self.runner = draft.kv_manager, draft.runner
         self.sampler = sampler

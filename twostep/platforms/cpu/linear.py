@@ -24,7 +24,9 @@ GEMV_MAX_ROWS = 3   # inputs with at most this many rows take the matrix-vector 
 
 
 class PackedLinearMethod:
-    """layer.packed_weight for oneDNN; layer.weight kept row-major only for the gemv kernel."""
+    """Replaces the layer's parameters with plain tensors (read on every call without nn.Module's
+    attribute lookup): packed_weight for oneDNN, row_major_weight for the gemv kernel (None
+    without it), plain_bias."""
 
     def __init__(self, gemv=None) -> None:
         self.gemv = gemv                        # the linear_bf16 kernel module, or None
@@ -37,15 +39,14 @@ class PackedLinearMethod:
     def process_weights(self, layer) -> None:
         weight = layer.weight.detach()
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        if self.gemv is None:
-            layer.weight = None                 # the packed copy replaces it
-        elif not weight.is_contiguous():
-            layer.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+        layer.row_major_weight = weight.contiguous() if self.gemv is not None else None
+        layer.plain_bias = None if layer.bias is None else layer.bias.detach()
+        layer.weight = layer.bias = None        # a tied lm_head's weight lives on in the embedding
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.numel() <= GEMV_MAX_ROWS * layer.in_features:
-            return self.gemv.linear_bf16(x, layer.weight, layer.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+            return self.gemv.linear_bf16(x, layer.row_major_weight, layer.plain_bias)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.plain_bias, "none", [], "")
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:

@@ -84,3 +84,4 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stopped_on_token: bool = False   # the last new token is the EOS or stop token that ended it
