@@ -1,8 +1,10 @@
-"""Read a llama-architecture GGUF file into what a HF checkpoint folder would give us.
+"""Read a llama, qwen2 or qwen3 GGUF file into what a HF checkpoint folder would give us.
 
 `load_gguf(path, dtype)` returns a `GGUFCheckpoint`: a HF-style config dict, the weights under HF
-Llama parameter names (dequantised to float32, then cast to `dtype`), a `tokenizers.Tokenizer` built
-from the vocabulary stored in the file, and tokenizer / generation settings.
+parameter names (dequantised to float32, then cast to `dtype`), a `tokenizers.Tokenizer` built
+from the vocabulary stored in the file, and tokenizer / generation settings. Mistral and SmolLM
+files are llama architecture; qwen2 adds q/k/v biases, qwen3 q/k RMSNorms (and an explicit head
+size). llama.cpp's converter permutes the Q/K rows of llama files only (qwen rotates halves, as HF).
 
 Choices worth knowing:
 
@@ -35,7 +37,13 @@ from tokenizers import AddedToken, Tokenizer, processors
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF architecture -> (HF architecture, model_type)
+_HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
 
 # Every type gguf.quants can dequantise that llama files commonly use. F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
 # the required set; the Q5 and K-quants come for free from the same gguf.quants call.
@@ -59,8 +67,18 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",       # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
-_BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# The tensors each architecture's layers have: a file with others describes another model.
+_LLAMA_LAYER = [f"{_BLOCK_TENSORS[part]}.weight" for part in (
+    "attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_gate", "ffn_up", "ffn_down", "ffn_norm")]
+_LAYER_TENSORS = {
+    "llama": _LLAMA_LAYER,
+    "qwen2": _LLAMA_LAYER + [f"self_attn.{p}_proj.bias" for p in "qkv"],
+    "qwen3": _LLAMA_LAYER + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"],
+}
+_BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
 # llama.cpp's special-token keys -> our names. eot/eom are end-of-turn markers (Llama 3's <|eot_id|>)
@@ -87,26 +105,37 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Load a llama GGUF file: HF config, HF-named weights in `dtype`, tokenizer and its settings."""
+    """Load a GGUF file: HF config, HF-named weights in `dtype`, tokenizer and its settings."""
     path = os.fspath(path)
-    reader = gguf.GGUFReader(path)
+    reader = _open(path)
     _check_supported(reader, path)
 
     tokens = _field(reader, "tokenizer.ggml.tokens", path)
     special = _special_token_ids(reader, path, len(tokens))
     hf_config = _hf_config(reader, path, special)
-    tensors = _load_tensors(reader, hf_config, dtype, path)
+    arch = _field(reader, "general.architecture", path)
+    tensors = _load_tensors(reader, hf_config, dtype, path, arch)
     tokenizer, tokenizer_config = _build_tokenizer(reader, path, tokens, special)
     generation_config = _generation_config(special)
 
     types = sorted({t.tensor_type.name for t in reader.tensors})
-    logger.info("loaded GGUF %s: architecture llama, %d layers, tensor types %s, %d tensors",
-                os.path.basename(path), hf_config["num_hidden_layers"], "/".join(types), len(tensors))
+    logger.info("loaded GGUF %s: architecture %s, %d layers, tensor types %s, %d tensors",
+                os.path.basename(path), arch, hf_config["num_hidden_layers"], "/".join(types), len(tensors))
     return GGUFCheckpoint(hf_config, tensors, tokenizer, tokenizer_config, generation_config)
 
 
 # ---------------------------------------------------------------------------------------------------
 # metadata
+
+
+def _open(path: str) -> gguf.GGUFReader:
+    """The file's reader; a file gguf cannot parse (truncated, not GGUF) is named in the error."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        raise ValueError(f"{path}: not a readable GGUF file ({size:,} bytes; truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = _REQUIRED) -> Any:
@@ -149,8 +178,10 @@ def _float32_value(value: float) -> float:
 
 
 def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> dict:
+    arch = _field(reader, "general.architecture", path)
+
     def meta(key: str, default: Any = _REQUIRED) -> Any:
-        return _field(reader, f"llama.{key}", path, default)
+        return _field(reader, f"{arch}.{key}", path, default)
 
     heads = meta("attention.head_count")
     hidden = meta("embedding_length")
@@ -161,9 +192,10 @@ def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None
         raise ValueError(f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim "
                          f"{head_dim}) are not supported; supported: RoPE over the whole head")
     embedding = _tensor_info(reader, "token_embd.weight", path)
+    hf_architecture, model_type = _HF_ARCHITECTURES[arch]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
@@ -175,7 +207,7 @@ def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None
         "mlp_bias": False,
         "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_value(meta("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, path),
+        "rope_scaling": _rope_scaling(reader, path, arch),
         "max_position_embeddings": meta("context_length"),
         # The embedding's row count (last in ggml's order), not the token list: the weights are what
         # the model is built from.
@@ -187,16 +219,16 @@ def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None
     }
 
 
-def _rope_scaling(reader: gguf.GGUFReader, path: str) -> dict | None:
+def _rope_scaling(reader: gguf.GGUFReader, path: str, arch: str) -> dict | None:
     """HF rope_scaling from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
-    kind = _field(reader, "llama.rope.scaling.type", path, None)
-    factor = _field(reader, "llama.rope.scaling.factor", path, None)
-    if kind is None and (old_linear := _field(reader, "llama.rope.scale_linear", path, None)):
+    kind = _field(reader, f"{arch}.rope.scaling.type", path, None)
+    factor = _field(reader, f"{arch}.rope.scaling.factor", path, None)
+    if kind is None and (old_linear := _field(reader, f"{arch}.rope.scale_linear", path, None)):
         kind, factor = "linear", old_linear
     if kind in (None, "none") or factor in (None, 0.0, 1.0):
         return None
     scaling = {"rope_type": kind, "factor": _float32_value(factor)}
-    original = _field(reader, "llama.rope.scaling.original_context_length", path, None)
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length", path, None)
     if original:
         scaling["original_max_position_embeddings"] = original
     return scaling
@@ -222,15 +254,18 @@ def _tensor_info(reader: gguf.GGUFReader, name: str, path: str, required: bool =
     return None
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, arch: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _BLOCK_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_TENSORS:
+    name = None
+    if match is not None and match.group(2) in _BLOCK_TENSORS:
+        layer, part, kind = match.groups()
+        name = f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+    if name is None or name.split(".", 3)[3] not in _LAYER_TENSORS[arch]:
         # Loading around an unknown tensor would run a different model than the file describes.
-        raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a llama GGUF")
-    layer, part = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.weight"
+        raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {arch} GGUF")
+    return name
 
 
 def _dequantize(tensor) -> torch.Tensor:
@@ -252,27 +287,28 @@ def _unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
-                  path: str) -> dict[str, torch.Tensor]:
+                  path: str, arch: str) -> dict[str, torch.Tensor]:
     rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    if arch != "llama":
+        rotary_heads = {}       # only llama files have their Q/K rows permuted
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             config["rope_freq_factors"] = [float(x) for x in _dequantize(tensor).flatten()]
             continue
-        name = _hf_name(tensor.name, path)
+        name = _hf_name(tensor.name, path, arch)
         weight = _dequantize(tensor)
         projection = name.split(".")[-2]
-        if projection in rotary_heads:
+        if projection in rotary_heads and name.endswith(".weight"):
             weight = _unpermute_rotary_rows(weight, rotary_heads[projection])
         tensors[name] = weight.to(dtype)
-    _check_complete(tensors, config["num_hidden_layers"], path)
+    _check_complete(tensors, config["num_hidden_layers"], path, arch)
     return tensors
 
 
-def _check_complete(tensors: dict[str, torch.Tensor], num_layers: int, path: str) -> None:
+def _check_complete(tensors: dict[str, torch.Tensor], num_layers: int, path: str, arch: str) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{part}.weight" for i in range(num_layers)
-                 for part in _BLOCK_TENSORS.values()}
+    expected |= {f"model.layers.{i}.{part}" for i in range(num_layers) for part in _LAYER_TENSORS[arch]}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
