@@ -205,14 +205,16 @@ def free_port() -> int:
 class Server:
     """One `twostep serve` subprocess; its stdout and stderr go to a log file."""
 
-    def __init__(self, folder: Path, log_dir: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, log_dir: Path, *extra: str, served_name: str | None = MODEL,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
+        name = ["--served-model-name", served_name] if served_name else []
         self.cmd = [sys.executable, "-m", "twostep.cli", "serve", "--model", str(folder),
                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                    "--kv-cache-memory", "16MiB", "--served-model-name", MODEL, *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+                    "--kv-cache-memory", "16MiB", *name, *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from twostep.config import EngineConfig
 from twostep.sampling_params import SamplingParams
@@ -97,7 +99,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: --model as given, or the default model's name)")
+                   help="the model name clients use (default: the model folder's or file's base name, "
+                        "a hub id as given, or the default model's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$TWOSTEP_API_KEY, else $VLLM_API_KEY, else no key)")
+    p.add_argument("--api-key-for-metrics", action="store_true",
+                   help="with an API key, /metrics needs it too")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are already waiting")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -132,16 +140,30 @@ def run_analyze(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the model's name without any filesystem path: a folder's or
+    file's base name (a .gguf without its suffix), a hub id as given."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(args.model)
+    if path.exists():
+        return path.stem if path.is_file() else path.resolve().name
+    return args.model
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import run_server
 
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
-    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    rc = run_server(engine, name, args.host, args.port, args.max_queued_requests,
+    api_key = args.api_key or os.environ.get("TWOSTEP_API_KEY") or os.environ.get("VLLM_API_KEY")
+    rc = run_server(engine, served_model_name(args), args.host, args.port, args.max_queued_requests,
                     args.request_timeout, log_level=args.log_level,
-                    graceful_timeout=args.shutdown_grace_period)
+                    graceful_timeout=args.shutdown_grace_period, api_key=api_key,
+                    metrics_need_key=args.api_key_for_metrics)
     if tracer is not None:   # the engine thread has stopped: the trace is complete
         tracer.write(args.trace)
     return rc

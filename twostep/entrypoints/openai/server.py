@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
+import ipaddress
 import json
 import logging
 import signal
@@ -41,8 +43,8 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -63,7 +65,8 @@ class ServerState:
 
 
 def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int | None = None,
-              request_timeout: float | None = None) -> FastAPI:
+              request_timeout: float | None = None, api_key: str | None = None,
+              metrics_need_key: bool = False) -> FastAPI:
     metrics = ServerMetrics(model_name)
 
     def on_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -85,8 +88,35 @@ def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int |
     app = FastAPI(title="twostep", lifespan=lifespan)
     app.state.twostep = state
     _install_error_handlers(app)
+    if api_key:
+        _require_api_key(app, api_key, metrics_need_key)
     _add_routes(app, state)
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str, metrics_need_key: bool) -> None:
+    """Bearer authentication on every route but /health (and /metrics unless metrics_need_key)."""
+    open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path in open_paths or hmac.compare_digest(given, expected):
+            return await call_next(request)
+        response = error_response(401, "missing or wrong API key: send the header "
+                                       "'Authorization: Bearer <key>' with the server's --api-key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -124,7 +154,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         e = state.engine.engine
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": serving.now(), "owned_by": "twostep",
-            "root": e.model_path, "max_model_len": e.max_model_len}]}
+            "root": state.model_name, "max_model_len": e.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -429,10 +459,15 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 def run_server(llm_engine: LLMEngine, model_name: str, host: str, port: int,
                max_queued_requests: int | None, request_timeout: float | None,
-               log_level: str = "info", graceful_timeout: float = 5.0) -> int:
+               log_level: str = "info", graceful_timeout: float = 5.0,
+               api_key: str | None = None, metrics_need_key: bool = False) -> int:
     import uvicorn
 
-    app = build_app(llm_engine, model_name, max_queued_requests, request_timeout)
+    if not api_key and not is_loopback(host):
+        logger.warning("listening on %s without an API key: anyone who can reach port %d can use "
+                       "this server (set --api-key or TWOSTEP_API_KEY)", host, port)
+    app = build_app(llm_engine, model_name, max_queued_requests, request_timeout, api_key,
+                    metrics_need_key)
     # In-flight requests get graceful_timeout seconds to finish, then are aborted so their
     # streams end properly (finish_reason "abort", [DONE]); uvicorn waits a little longer.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
