@@ -681,6 +681,23 @@ def test_disconnect_aborts_and_frees_kv_blocks(limited_server, path):
         f"{time.monotonic() - closed:.1f} s after the client went away: {state}")
 
 
+@pytest.mark.parametrize("path,n", [(C, 1), (CH, 1), (C, 2)], ids=["completions", "chat", "n2"])
+def test_a_non_streaming_client_that_leaves_frees_its_requests(limited_server, path, n):
+    """The client gives up after a second while tokens keep coming: every choice is aborted."""
+    body = {"model": MODEL, "max_tokens": LONG_MAX_TOKENS, "temperature": 0.5, "ignore_eos": True, "n": n}
+    if path == CH:
+        body["messages"] = [{"role": "user", "content": CJK}]
+    else:
+        body["prompt"] = CJK
+    assert all(v == 0 for v in wait_idle(limited_server, 10).values())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(limited_server.url(path), json=body, timeout=1.0)
+    closed = time.monotonic()
+    state = wait_idle(limited_server, 3)
+    assert all(v == 0 for v in state.values()), (
+        f"{time.monotonic() - closed:.1f} s after the client went away: {state}")
+
+
 # ---- 8. per-request deadline ---------------------------------------------------------------------
 
 def test_request_timeout_ends_requests_with_a_finish_reason(timeout_server):

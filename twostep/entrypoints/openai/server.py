@@ -225,26 +225,43 @@ class _Batch:
                 self.state.engine.abort(rid)
 
     async def outputs(self, raw: Request | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) until every request finished. Polls for a disconnected
-        client when `raw` is given (non-streaming responses)."""
+        """(prompt index, output) until every request finished. With `raw` (non-streaming
+        responses) a watcher polls the connection meanwhile: a client that left ends it at once,
+        however fast tokens arrive."""
+        left = asyncio.create_task(_client_leaves(raw)) if raw is not None else None
         try:
             while len(self.finished) < len(self.request_ids):
-                if raw is None:
-                    out = await self.sink.get()
-                else:
-                    try:
-                        out = await asyncio.wait_for(self.sink.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await raw.is_disconnected():
-                            return
-                        continue
+                out = await self._next(left)
+                if out is None:
+                    return
                 if isinstance(out, BaseException):
                     raise APIError(500, f"engine failure: {out}")
                 if out.finished:
                     self.finished.add(out.request_id)
                 yield self.request_ids.index(out.request_id), out
         finally:
+            if left is not None:
+                left.cancel()
             self.abort()  # no-op for finished requests; frees blocks of a client that left
+
+    async def _next(self, left: asyncio.Task | None):
+        """The next output, or None once the client has left."""
+        if left is None:
+            return await self.sink.get()
+        if not self.sink.empty():
+            return self.sink.get_nowait()
+        get = asyncio.ensure_future(self.sink.get())
+        done, _ = await asyncio.wait({get, left}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+
+async def _client_leaves(raw: Request, every: float = 0.1) -> None:
+    """Returns when the client has disconnected."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(every)
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
