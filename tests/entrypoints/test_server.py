@@ -653,6 +653,41 @@ def test_queue_limit_gives_503_and_the_rest_complete(limited_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+# ---- typed fields, /tokenize inputs, logprob limits: 400 JSON naming the field --------------------
+
+@pytest.mark.parametrize("path,field,value", [
+    (C, "max_tokens", "16"), (C, "stream", "yes"), (C, "n", 2.0), (CH, "temperature", "0.5"),
+    (CH, "logprobs", 1), (C, "seed", True)])
+def test_strings_and_floats_are_not_coerced_into_typed_fields(server, path, field, value):
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if path == CH else {"prompt": "hi"}
+    r = httpx.post(server.url(path), json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_tokenize_refuses_bad_messages_with_json_and_takes_text_parts(server):
+    r = httpx.post(server.url("/tokenize"), json={"messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(server.url("/tokenize"), timeout=30,
+                   json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    assert r.status_code == 400 and "text content parts" in r.json()["error"]["message"], r.text
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    joined = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": "Hello, world"}]},
+                        timeout=30).json()
+    r = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": parts}]}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == joined["tokens"]
+
+
+def test_a_logprob_count_over_the_limit_names_its_field(server):
+    r = httpx.post(server.url(CH), timeout=30, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                     "logprobs": True, "top_logprobs": 50, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert "top_logprobs must be <= 20" in r.json()["error"]["message"]
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": "hi", "logprobs": 21, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
 # ---- 4. a client that disconnects mid-stream ---------------------------------------------------
 
 @pytest.mark.parametrize("path", [C, CH], ids=["completions", "chat"])

@@ -2,7 +2,8 @@
 
 Unknown fields are refused (extra="forbid"), as OpenAI does. Fields OpenAI defines that we
 do not implement are accepted only at their neutral value, so a client never gets silently
-different behaviour.
+different behaviour. Types are strict: "16" is not a number and "yes" not a boolean (an integer
+is a valid float).
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from twostep.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -94,7 +95,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -125,21 +126,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tools are not supported")
         return v
 
-    def messages_as_dicts(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(d.get("content"), list):   # [{"type": "text", "text": ...}, ...]
-                parts = d["content"]
-                if any(p.get("type") != "text" for p in parts):
-                    raise ValueError("only text content parts are supported")
-                d["content"] = "".join(p.get("text", "") for p in parts)
-            out.append(d)
-        return out
+
+
+def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: text content parts joined into one string."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(d.get("content"), list):   # [{"type": "text", "text": ...}, ...]
+            parts = d["content"]
+            if any(p.get("type") != "text" for p in parts):
+                raise ValueError("only text content parts are supported")
+            d["content"] = "".join(p.get("text", "") for p in parts)
+        out.append(d)
+    return out
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -148,7 +152,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 

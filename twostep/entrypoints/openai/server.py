@@ -29,7 +29,7 @@ from twostep.entrypoints.async_engine import AsyncEngine, QueueFullError
 from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.metrics import ServerMetrics
 from twostep.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                 DetokenizeRequest, TokenizeRequest)
+                                                 DetokenizeRequest, TokenizeRequest, messages_as_dicts)
 from twostep.entrypoints.openai.serving import Choice
 from twostep.outputs import RequestOutput
 from twostep.sampling_params import SamplingParams
@@ -159,12 +159,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         _check_model(state, body.model)
-        tok = state.tokenizer
         if body.messages is not None:
-            ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                  body.add_generation_prompt)
+            ids = _encode_chat(state, body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
@@ -279,6 +277,7 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
         raise APIError(400, "max_tokens 0 is only allowed with echo", "max_tokens")
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # echo-only: drop the token later
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+    _check_logprobs(state, "logprobs", body.logprobs)
     params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
     batch = _Batch(state, "cmpl")
     await batch.add(prompts, params)
@@ -395,13 +394,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     top = body.top_logprobs or 0
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    try:
-        ids = state.tokenizer.encode_chat(body.messages_as_dicts(), body.add_generation_prompt,
-                                          **(body.chat_template_kwargs or {}))
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
-    except Exception as e:  # a template that raises on these messages (raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    _check_logprobs(state, "top_logprobs", top)
+    ids = _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     params = _params(state, body, max_tokens, top if body.logprobs else None, None)
     batch = _Batch(state, "chatcmpl")
     await batch.add([ids], params)
@@ -453,6 +447,27 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
 
 
 # ---- shared ----------------------------------------------------------------------------------
+
+def _check_logprobs(state: ServerState, field: str, value: int | None) -> None:
+    limit = state.engine.engine.config.max_logprobs
+    if value is not None and value > limit:
+        raise APIError(400, f"{field} must be <= {limit} (the server's --max-logprobs), got {value}", field)
+
+
+def _encode_chat(state: ServerState, messages, add_generation_prompt: bool,
+                 template_kwargs: dict | None = None) -> list[int]:
+    """Messages through the chat template; what is wrong with them (empty, non-text parts, a
+    template that raises) is a 400 naming messages."""
+    if not messages:
+        raise APIError(400, "messages is empty: give at least one message", "messages")
+    try:
+        return state.tokenizer.encode_chat(messages_as_dicts(messages), add_generation_prompt,
+                                           **(template_kwargs or {}))
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # a template that raises on these messages (raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
 
 def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
     try:
