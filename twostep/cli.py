@@ -106,6 +106,13 @@ def _serve_parser(sub) -> None:
                         "$TWOSTEP_API_KEY, else $VLLM_API_KEY, else no key)")
     p.add_argument("--api-key-for-metrics", action="store_true",
                    help="with an API key, /metrics needs it too")
+    p.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                   help="answer 413 to a request body over this many bytes (default 4 MiB)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file to use instead of the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat template (chat_template_kwargs.chat_template); "
+                        "a template is code the server runs: only for trusted clients")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are already waiting")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -155,15 +162,17 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from twostep.engine.llm_engine import LLMEngine
-    from twostep.entrypoints.openai.server import run_server
+    from twostep.entrypoints.openai.server import ServerConfig, run_server
 
+    api_key = args.api_key or os.environ.get("TWOSTEP_API_KEY") or os.environ.get("VLLM_API_KEY")
+    template = Path(args.chat_template).read_text() if args.chat_template else None   # before loading
+    config = ServerConfig(served_model_name(args), template, args.max_queued_requests,
+                          args.request_timeout, api_key, args.api_key_for_metrics,
+                          args.max_request_body_bytes, args.trust_request_chat_template)
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
-    api_key = args.api_key or os.environ.get("TWOSTEP_API_KEY") or os.environ.get("VLLM_API_KEY")
-    rc = run_server(engine, served_model_name(args), args.host, args.port, args.max_queued_requests,
-                    args.request_timeout, log_level=args.log_level,
-                    graceful_timeout=args.shutdown_grace_period, api_key=api_key,
-                    metrics_need_key=args.api_key_for_metrics)
+    rc = run_server(engine, config, args.host, args.port, log_level=args.log_level,
+                    graceful_timeout=args.shutdown_grace_period)
     if tracer is not None:   # the engine thread has stopped: the trace is complete
         tracer.write(args.trace)
     return rc

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (MODEL, ROOT, Server, make_tiny_model, metric, parse_sse, scrape, stream_post,
+from conftest import (MODEL, ROOT, Server, make_tiny_model, metric, parse_sse, random_prompts, scrape, stream_post,
                       stream_text, tokenize)
 from twostep import LLM, SamplingParams
 
@@ -644,6 +644,7 @@ def test_queue_limit_gives_503_and_the_rest_complete(limited_server):
     assert done, statuses
     for r in rejected:
         assert_error(r, 503)
+        assert r.headers["retry-after"] == "1"
     for r in done:
         body = r.json()
         assert body["usage"]["completion_tokens"] == 300 and body["choices"][0]["finish_reason"] == "length"
@@ -686,6 +687,92 @@ def test_a_logprob_count_over_the_limit_names_its_field(server):
     assert "top_logprobs must be <= 20" in r.json()["error"]["message"]
     r = httpx.post(server.url(C), json={"model": MODEL, "prompt": "hi", "logprobs": 21, "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+# ---- limits: templates from requests, sizes, fan-out, prompt + max_tokens ----------------------------
+
+LOOP = "{% for i in range(2000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}hi"
+
+
+def test_a_request_cannot_send_a_template_or_tools_through_chat_template_kwargs(server):
+    for kwargs in ({"chat_template": LOOP}, {"tools": [{"type": "function"}]}, {"x": {"nested": 1}}):
+        t0 = time.monotonic()
+        r = httpx.post(server.url(CH), timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": kwargs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        assert time.monotonic() - t0 < 1.0
+    r = httpx.post(server.url(CH), timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_trusted_template_renders_off_the_event_loop(model_dir, log_dir):
+    """With --trust-request-chat-template a slow template keeps one worker busy, not the server."""
+    import threading
+
+    for trusted in serve(model_dir, log_dir, "--trust-request-chat-template"):
+        result = {}
+        slow = threading.Thread(target=lambda: result.update(r=httpx.post(trusted.url(CH), timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": LOOP}})))
+        slow.start()
+        time.sleep(0.3)
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert httpx.get(trusted.url("/health"), timeout=5).status_code == 200
+            assert time.monotonic() - t0 < 1.0
+            time.sleep(0.2)
+        slow.join(120)
+        assert result["r"].status_code == 200, result["r"].text
+
+
+def test_the_server_takes_its_chat_template_from_a_file(model_dir, log_dir, tmp_path):
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    for server in serve(model_dir, log_dir, "--chat-template", str(template)):
+        ids = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": "hi"}]},
+                         timeout=30).json()["tokens"]
+        plain = httpx.post(server.url("/tokenize"), json={"prompt": "[hi]", "add_special_tokens": False},
+                           timeout=30).json()["tokens"]
+        assert ids == plain
+
+
+def test_oversized_bodies_and_prompts_are_refused_at_once(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.url(C), timeout=30, content=b'{"model": "tiny", "prompt": "' + b"a" * (20 << 20) + b'"}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:200]
+    r = httpx.post(server.url("/tokenize"), json={"prompt": "word " * (1 << 20)}, timeout=30)
+    assert r.status_code == 413
+    # under the body limit, but more characters than max_model_len tokens can spell: no tokenizing
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": "word " * 200_000}, timeout=30)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_prompt_and_max_tokens_must_fit_max_model_len(server):
+    prompt = random_prompts([40], seed=3)[0]
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": prompt, "max_tokens": 30}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "40 prompt tokens and max_tokens 30: 70 is over max_model_len 64" in r.json()["error"]["message"]
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": prompt, "max_tokens": 24}, timeout=30)
+    assert r.status_code == 200
+    r = httpx.post(server.url(CH), timeout=30, json={"model": MODEL, "max_tokens": 64,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "max_model_len 64" in r.json()["error"]["message"]
+    r = httpx.post(server.url(CH), timeout=30, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200          # max_tokens unset: up to max_model_len
+
+
+def test_one_request_cannot_queue_more_than_the_queue_holds(limited_server):
+    for body in ({"prompt": ["hi"] * 3}, {"prompt": "hi", "n": 3}, {"prompt": ["hi"] * 2, "n": 2}):
+        r = httpx.post(limited_server.url(C), json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+        assert r.status_code == 400 and "--max-queued-requests" in r.json()["error"]["message"], r.text
+    r = httpx.post(limited_server.url(CH), timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "n": 3, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
 
 
 # ---- 4. a client that disconnects mid-stream ---------------------------------------------------

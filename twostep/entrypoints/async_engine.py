@@ -155,9 +155,12 @@ class AsyncEngine:
             self.engine.abort_request(list(self._sinks) if cmd.request_id is None else cmd.request_id)
             return
         try:
-            if self.max_queued_requests is not None and self.engine.num_waiting >= self.max_queued_requests:
-                raise QueueFullError(f"the server has {self.engine.num_waiting} requests waiting "
-                                     f"(--max-queued-requests {self.max_queued_requests}); retry later")
+            # n > 1 fans out into n sequences, each of which waits
+            waiting = self.engine.num_waiting
+            if self.max_queued_requests is not None and waiting + cmd.params.n > self.max_queued_requests:
+                raise QueueFullError(f"the server has {waiting} requests waiting, this one adds "
+                                     f"{cmd.params.n} (--max-queued-requests {self.max_queued_requests}); "
+                                     "retry later")
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
         except Exception as e:  # ValueError for bad input, QueueFullError: the caller's problem
             cmd.done.set_exception(e)

@@ -62,6 +62,7 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, tokenizer_config: dict,
                  generation_config: dict | None = None):
         self.backend = backend
+        self._max_token_chars: int | None = None
         self.tokenizer_config = dict(tokenizer_config or {})
         self.generation_config = dict(generation_config or {})
 
@@ -206,6 +207,15 @@ class Tokenizer:
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
         return ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (the longest vocabulary string: byte-level
+        and sentencepiece tokens spell at least one character per character of text), so a text
+        of c characters has at least c / max_token_chars tokens: a bound checked before encoding."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]

@@ -44,13 +44,32 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+# chat_template_kwargs a request may set: plain values the template reads; never the template itself
+# (or tools) unless the server trusts requests' templates
+_TEMPLATE_SOURCES = ("chat_template", "tools", "documents")
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": "1"} if status == 503 else None   # a full queue drains in seconds
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """`twostep serve`'s own settings (the engine's are EngineConfig)."""
+
+    model_name: str
+    chat_template: str | None = None             # --chat-template: instead of the model's
+    max_queued_requests: int | None = None
+    request_timeout: float | None = None
+    api_key: str | None = None
+    metrics_need_key: bool = False               # /metrics behind the API key too
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    trust_request_chat_template: bool = False    # chat_template_kwargs may carry a template
 
 
 @dataclass
@@ -58,15 +77,15 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
+    config: ServerConfig
 
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
 
 
-def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int | None = None,
-              request_timeout: float | None = None, api_key: str | None = None,
-              metrics_need_key: bool = False) -> FastAPI:
+def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    model_name = config.model_name
     metrics = ServerMetrics(model_name)
 
     def on_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -76,8 +95,8 @@ def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int |
         metrics.update_engine(engine.num_running, engine.num_waiting, engine.kv_cache_usage,
                               engine.get_stats())
 
-    state = ServerState(AsyncEngine(llm_engine, max_queued_requests, request_timeout, on_step),
-                        model_name, metrics)
+    state = ServerState(AsyncEngine(llm_engine, config.max_queued_requests, config.request_timeout,
+                                    on_step), model_name, metrics, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,10 +107,49 @@ def build_app(llm_engine: LLMEngine, model_name: str, max_queued_requests: int |
     app = FastAPI(title="twostep", lifespan=lifespan)
     app.state.twostep = state
     _install_error_handlers(app)
-    if api_key:
-        _require_api_key(app, api_key, metrics_need_key)
+    if config.api_key:
+        _require_api_key(app, config.api_key, config.metrics_need_key)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     _add_routes(app, state)
     return app
+
+
+class BodySizeLimit:
+    """413 for a request body over max_bytes, from its Content-Length before reading it, or as
+    soon as a body without one (chunked) grows past the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"the request body is over {self.max_bytes:,} bytes "
+                                       "(the server's --max-request-body-bytes)")
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 def _require_api_key(app: FastAPI, api_key: str, metrics_need_key: bool) -> None:
@@ -160,9 +218,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest):
         _check_model(state, body.model)
         if body.messages is not None:
-            ids = _encode_chat(state, body.messages, body.add_generation_prompt)
+            ids = await _encode_chat(state, body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
@@ -279,8 +337,12 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
     _check_logprobs(state, "logprobs", body.logprobs)
     params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
+    _check_fan_out(state, len(prompts), body.n)
+    prompt_ids = await _prompt_ids(state, prompts)
+    for ids in prompt_ids:
+        _check_length(state, ids, max_tokens, "prompt")
     batch = _Batch(state, "cmpl")
-    await batch.add(prompts, params)
+    await batch.add(prompt_ids, params)
     if body.stream:
         return _sse(_completion_stream(state, body, batch))
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
@@ -395,7 +457,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     _check_logprobs(state, "top_logprobs", top)
-    ids = _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    _check_fan_out(state, 1, body.n)
+    ids = await _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    _check_length(state, ids, max_tokens, "messages")
     params = _params(state, body, max_tokens, top if body.logprobs else None, None)
     batch = _Batch(state, "chatcmpl")
     await batch.add([ids], params)
@@ -454,19 +518,68 @@ def _check_logprobs(state: ServerState, field: str, value: int | None) -> None:
         raise APIError(400, f"{field} must be <= {limit} (the server's --max-logprobs), got {value}", field)
 
 
-def _encode_chat(state: ServerState, messages, add_generation_prompt: bool,
-                 template_kwargs: dict | None = None) -> list[int]:
-    """Messages through the chat template; what is wrong with them (empty, non-text parts, a
-    template that raises) is a 400 naming messages."""
+async def _encode_chat(state: ServerState, messages, add_generation_prompt: bool,
+                       template_kwargs: dict | None = None) -> list[int]:
+    """Messages through the chat template, rendered in a worker thread (a template is code: the event
+    loop never runs it); what is wrong with them (empty, non-text parts, a template that raises) is
+    a 400 naming messages."""
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", "messages")
+    kwargs = _template_kwargs(state, template_kwargs)
+    if state.config.chat_template is not None:
+        kwargs.setdefault("chat_template", state.config.chat_template)
     try:
-        return state.tokenizer.encode_chat(messages_as_dicts(messages), add_generation_prompt,
-                                           **(template_kwargs or {}))
+        return await asyncio.to_thread(state.tokenizer.encode_chat, messages_as_dicts(messages),
+                                       add_generation_prompt, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # a template that raises on these messages (raise_exception)
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+
+
+def _template_kwargs(state: ServerState, kwargs: dict | None) -> dict:
+    """chat_template_kwargs as the template may read them: plain values only, and never a template
+    (unless the server trusts its clients' templates) nor tools."""
+    out = dict(kwargs or {})
+    for key, value in out.items():
+        if key in _TEMPLATE_SOURCES and not (key == "chat_template" and state.config.trust_request_chat_template):
+            hint = " (start the server with --trust-request-chat-template)" if key == "chat_template" else ""
+            raise APIError(400, f"chat_template_kwargs.{key} is not accepted{hint}", "chat_template_kwargs")
+        if key != "chat_template" and not isinstance(value, (str, int, float, bool, type(None))):
+            raise APIError(400, f"chat_template_kwargs.{key} must be a string, number, boolean or null",
+                           "chat_template_kwargs")
+    return out
+
+
+async def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Every prompt as token ids, tokenized in a worker thread. A text too long to fit in
+    max_model_len tokens whatever it says is refused by its length alone, before any work."""
+    tok, limit = state.tokenizer, state.engine.engine.max_model_len
+    most_chars = (limit - 1) * tok.max_token_chars
+    for p in prompts:
+        if isinstance(p, str) and len(p) > most_chars:
+            raise APIError(400, f"the prompt has {len(p):,} characters: more than max_model_len {limit} "
+                                "tokens of this tokenizer can spell", "prompt")
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, True) if texts else [])
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
+    """One request may not queue more sequences (prompts x n) than the whole queue holds."""
+    limit = state.config.max_queued_requests
+    if limit is not None and num_prompts * n > limit:
+        raise APIError(400, f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
+                            f"n {n}); the server queues at most {limit} (--max-queued-requests)", "n")
+
+
+def _check_length(state: ServerState, ids: list[int], max_tokens: int | None, field: str) -> None:
+    """vLLM's rule: the prompt and max_tokens together must fit max_model_len."""
+    limit = state.engine.engine.max_model_len
+    if max_tokens is not None and len(ids) + max_tokens > limit:
+        raise APIError(400, f"this request has {len(ids)} prompt tokens and max_tokens {max_tokens}: "
+                            f"{len(ids) + max_tokens} is over max_model_len {limit}; shorten the "
+                            f"{field} or lower max_tokens", "max_tokens")
 
 
 def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
@@ -489,17 +602,14 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 # ---- running the server ----------------------------------------------------------------------
 
-def run_server(llm_engine: LLMEngine, model_name: str, host: str, port: int,
-               max_queued_requests: int | None, request_timeout: float | None,
-               log_level: str = "info", graceful_timeout: float = 5.0,
-               api_key: str | None = None, metrics_need_key: bool = False) -> int:
+def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int,
+               log_level: str = "info", graceful_timeout: float = 5.0) -> int:
     import uvicorn
 
-    if not api_key and not is_loopback(host):
+    if not config.api_key and not is_loopback(host):
         logger.warning("listening on %s without an API key: anyone who can reach port %d can use "
                        "this server (set --api-key or TWOSTEP_API_KEY)", host, port)
-    app = build_app(llm_engine, model_name, max_queued_requests, request_timeout, api_key,
-                    metrics_need_key)
+    app = build_app(llm_engine, config)
     # In-flight requests get graceful_timeout seconds to finish, then are aborted so their
     # streams end properly (finish_reason "abort", [DONE]); uvicorn waits a little longer.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
