@@ -283,3 +283,16 @@ def test_ids_of_n_children_cannot_collide(llm):
     assert "x" not in engine.output_processor.parents and "x#1" not in engine.scheduler.requests
     engine.add_request([5, 6], SamplingParams(max_tokens=3), request_id="req-99")
     finish_all(engine, ["x#0", "req-99"])
+
+
+def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(tiny_model_dir):
+    # the tiny llama: 512 positions, 2 layers x 2 KV heads x 16 dims x 4 bytes x (K, V) = 512 B/token
+    engine = engine_for(tiny_model_dir("llama"), kv_cache_memory=200 * 512)
+    assert engine.kv_plan.num_tokens == 192 and engine.max_model_len == 192
+    with pytest.raises(ValueError, match="max_model_len is 192"):
+        engine.add_request(list(range(3, 200)), SamplingParams())
+    with pytest.raises(ValueError, match=r"max_model_len 300 needs 300 tokens of KV cache, but the cache "
+                                         r"holds 192.*--kv-cache-memory.*--max-model-len"):
+        engine_for(tiny_model_dir("llama"), kv_cache_memory=200 * 512, max_model_len=300)
+    exact = engine_for(tiny_model_dir("llama"), num_kv_blocks=4)    # an exact count is taken as it is
+    assert exact.max_model_len == 512

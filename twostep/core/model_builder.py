@@ -73,12 +73,13 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
         raise ValueError(f"model {spec.path} has a vocabulary of {config.vocab_size} tokens where "
                          f"{spec.vocab_size} are needed: a draft must share the target's tokenizer")
     max_model_len = resolve_max_model_len(config, spec.max_model_len, spec.cap_max_model_len)
+    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
+    max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     model = build_model(ckpt, spec.dtype, device, max_model_len)
     ckpt.tensors = {}
     for line in apply_platform(model, spec.platform, spec.dtype):
         logger.info(line)
     fmt = kv_format(cache.kv_cache_dtype)
-    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
     kv_caches = allocate_kv_cache(plan, config.num_layers, config.num_kv_heads, config.head_dim,
                                   spec.dtype, device, fmt)
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
@@ -102,6 +103,21 @@ def resolve_max_model_len(config: ModelConfig, requested: int | None, cap: bool 
         raise ValueError(f"max_model_len {requested} exceeds what the model supports "
                          f"({limit}{' (sliding window)' if limit == config.sliding_window else ''})")
     return requested
+
+
+def _fit_to_cache(max_model_len: int, plan: KVCachePlan, cache: CacheSpec, explicit: bool) -> int:
+    """A sequence of max_model_len tokens must fit the cache sized from memory: a default
+    max_model_len is lowered to what fits, an explicit one that does not fit is refused. An exact
+    block count (tests, a draft model's cache) is taken as it is."""
+    if cache.num_blocks is not None or plan.num_tokens >= max_model_len:
+        return max_model_len
+    if explicit:
+        raise ValueError(f"max_model_len {max_model_len} needs {max_model_len} tokens of KV cache, but the "
+                         f"cache holds {plan.num_tokens} ({plan.total_bytes / 2**20:.1f} MiB): raise "
+                         "--kv-cache-memory or lower --max-model-len")
+    logger.info("max_model_len lowered from %d to %d: what the KV cache holds (raise --kv-cache-memory "
+                "for longer sequences)", max_model_len, plan.num_tokens)
+    return plan.num_tokens
 
 
 def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec,
