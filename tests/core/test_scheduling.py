@@ -101,6 +101,8 @@ def test_request_that_outgrows_the_whole_cache_ends_with_length(reference):
     # 48 tokens fill the cache; the token sampled from the last of them needs no slot yet
     assert len(prompts[3]) + len(out.token_ids) == 49
     assert out.token_ids[:32] == expected[3]
+    # the step that ended it counted its preemption at once (/metrics' num_preemptions_total)
+    assert engine.get_stats()["num_preemptions"] == outs[0].metrics.num_preemptions == 1
 
 
 def test_max_num_seqs_caps_running(reference):

@@ -775,6 +775,22 @@ def test_one_request_cannot_queue_more_than_the_queue_holds(limited_server):
     assert r.status_code == 400
 
 
+def test_the_schema_states_what_the_server_sends(server):
+    spec = httpx.get(server.url("/openapi.json"), timeout=30).json()
+    for path, methods in spec["paths"].items():
+        for op in methods.values():
+            assert "422" not in op["responses"], path            # invalid input is a 400
+            assert op["responses"]["200"].get("content"), path   # no empty {} schemas
+    completions = spec["paths"]["/v1/completions"]["post"]["responses"]
+    assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    r = httpx.get(server.url("/health"), timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert httpx.get(server.url("/metrics"), timeout=30).headers["content-type"].startswith("text/plain")
+    r = httpx.get(server.url("/v1/completions"), timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+
+
 # ---- 4. a client that disconnects mid-stream ---------------------------------------------------
 
 @pytest.mark.parametrize("path", [C, CH], ids=["completions", "chat"])

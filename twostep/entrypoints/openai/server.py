@@ -20,7 +20,8 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,6 +31,9 @@ from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.metrics import ServerMetrics
 from twostep.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, TokenizeRequest, messages_as_dicts)
+from twostep.entrypoints.openai.responses import (ChatCompletionResponse, CompletionResponse,
+                                                  DetokenizeResponse, ErrorResponse, ModelList,
+                                                  TokenizeResponse)
 from twostep.entrypoints.openai.serving import Choice
 from twostep.outputs import RequestOutput
 from twostep.sampling_params import SamplingParams
@@ -111,7 +115,28 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
         _require_api_key(app, config.api_key, config.metrics_need_key)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     _add_routes(app, state)
+    app.openapi = lambda: _openapi(app, bool(config.api_key))
     return app
+
+
+def _openapi(app: FastAPI, with_key: bool) -> dict:
+    """FastAPI's schema, made true to the server: invalid input is a 400 in OpenAI's shape (FastAPI
+    declares a 422 the server never sends), and with an API key every route but /health may 401."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title="twostep", version="0.1.0", routes=app.routes)
+        error = {"description": "invalid request",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for path, methods in schema["paths"].items():
+            for op in methods.values():
+                responses = op["responses"]
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", error)
+                if with_key and path != "/health":
+                    responses.setdefault("401", {**error, "description": "missing or wrong API key"})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class BodySizeLimit:
@@ -193,28 +218,46 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})      # 405's Allow
+        return response
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse, "description": _ERROR_TYPES[code]} for code in codes}
+
+
+def _json_or_events(model) -> dict:
+    """200: the model as JSON, or server-sent events with stream: true."""
+    return {200: {"model": model, "description": "the completion (JSON), or with stream: true its "
+                  "chunks as server-sent events ending with data: [DONE]",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={200: {"description": "the engine loop runs"}, 503: {
+                 "description": "the engine loop stopped",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
     async def health():
         if not state.engine.healthy:
             return error_response(503, "the engine loop is not running")
-        return Response(status_code=200)
+        return PlainTextResponse("")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
     async def models():
         e = state.engine.engine
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": serving.now(), "owned_by": "twostep",
             "root": state.model_name, "max_model_len": e.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **_errors(400, 404, 413)})
     async def tokenize(body: TokenizeRequest):
         _check_model(state, body.model)
         if body.messages is not None:
@@ -225,7 +268,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}, **_errors(400, 404, 413)})
     async def detokenize(body: DetokenizeRequest):
         _check_model(state, body.model)
         vocab = state.engine.engine.model_config.vocab_size
@@ -234,11 +277,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses={**_json_or_events(CompletionResponse), **_errors(400, 404, 413, 503)})
     async def completions(body: CompletionRequest, raw: Request):
         return await _completions(state, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**_json_or_events(ChatCompletionResponse), **_errors(400, 404, 413, 503)})
     async def chat(body: ChatCompletionRequest, raw: Request):
         return await _chat(state, body, raw)
 
