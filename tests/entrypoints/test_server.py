@@ -740,6 +740,13 @@ def test_the_server_takes_its_chat_template_from_a_file(model_dir, log_dir, tmp_
 
 
 def test_oversized_bodies_and_prompts_are_refused_at_once(server):
+    """...while a stream in flight keeps going."""
+    import threading
+
+    streamed = {}
+    stream = threading.Thread(target=lambda: streamed.update(chunks=stream_post(server.url(C), {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True})))
+    stream.start()
     t0 = time.monotonic()
     r = httpx.post(server.url(C), timeout=30, content=b'{"model": "tiny", "prompt": "' + b"a" * (20 << 20) + b'"}',
                    headers={"Content-Type": "application/json"})
@@ -750,6 +757,8 @@ def test_oversized_bodies_and_prompts_are_refused_at_once(server):
     r = httpx.post(server.url(C), json={"model": MODEL, "prompt": "word " * 200_000}, timeout=30)
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
     assert time.monotonic() - t0 < 3.0
+    stream.join(60)
+    assert stream_text(streamed["chunks"], chat=False)[0] and streamed["chunks"][-1]["choices"][0]["finish_reason"]
 
 
 def test_prompt_and_max_tokens_must_fit_max_model_len(server):

@@ -275,7 +275,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)}
 
     @app.post("/v1/completions", response_model=None,
               responses={**_json_or_events(CompletionResponse), **_errors(400, 404, 413, 503)})
