@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
