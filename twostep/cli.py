@@ -165,10 +165,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from twostep.entrypoints.openai.server import ServerConfig, run_server
 
     api_key = args.api_key or os.environ.get("TWOSTEP_API_KEY") or os.environ.get("VLLM_API_KEY")
-    template = Path(args.chat_template).read_text() if args.chat_template else None   # before loading
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     config = ServerConfig(served_model_name(args), template, args.max_queued_requests,
                           args.request_timeout, api_key, args.api_key_for_metrics,
-                          args.max_request_body_bytes, args.trust_request_chat_template)
+                          args.max_request_body_bytes, args.trust_request_chat_template,
+                          model_aliases=(args.model,) if args.model else ())
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
     rc = run_server(engine, config, args.host, args.port, log_level=args.log_level,

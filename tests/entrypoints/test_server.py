@@ -753,6 +753,9 @@ def test_oversized_bodies_and_prompts_are_refused_at_once(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:200]
     r = httpx.post(server.url("/tokenize"), json={"prompt": "word " * (1 << 20)}, timeout=30)
     assert r.status_code == 413
+    chunks = (b'{"model": "tiny", "prompt": "' if i == 0 else b"a" * (1 << 20) for i in range(6))
+    r = httpx.post(server.url(C), timeout=30, content=chunks, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"]   # chunked
     # under the body limit, but more characters than max_model_len tokens can spell: no tokenizing
     r = httpx.post(server.url(C), json={"model": MODEL, "prompt": "word " * 200_000}, timeout=30)
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
@@ -762,6 +765,12 @@ def test_oversized_bodies_and_prompts_are_refused_at_once(server):
 
 
 def test_prompt_and_max_tokens_must_fit_max_model_len(server):
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": ""}, timeout=30)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": random_prompts([70], seed=3)[0]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(server.url(C), json={"model": MODEL, "prompt": random_prompts([60], seed=3)[0]}, timeout=30)
+    assert r.status_code == 400 and "max_tokens 16 (the default)" in r.json()["error"]["message"], r.text
     prompt = random_prompts([40], seed=3)[0]
     r = httpx.post(server.url(C), json={"model": MODEL, "prompt": prompt, "max_tokens": 30}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

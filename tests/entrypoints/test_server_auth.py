@@ -94,3 +94,26 @@ def test_a_public_host_without_a_key_is_warned_about(model_dir, log_dir):
     for server in serve(model_dir, log_dir, "--host", "0.0.0.0"):
         assert httpx.get(server.url("/health"), timeout=10).status_code == 200
         assert "without an API key" in server.output()
+
+
+def test_behind_the_key_a_non_streaming_client_that_leaves_still_frees_its_request(tmp_path_factory, log_dir):
+    from conftest import make_tiny_model, metric, scrape
+
+    long_model = make_tiny_model(tmp_path_factory.mktemp("long"), "qwen2", max_position_embeddings=16384)
+    for server in serve(long_model, log_dir, "--api-key", KEY):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url("/v1/completions"), headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 12000, "ignore_eos": True})
+        import time
+
+        deadline = time.monotonic() + 5
+        while metric(scrape(server), "twostep:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(scrape(server), "twostep:num_requests_running") == 0
+
+
+def test_the_model_may_be_named_by_the_path_it_was_served_from(model_dir, log_dir):
+    for server in serve(model_dir, log_dir, served_name=None):
+        r = httpx.post(server.url("/v1/completions"), timeout=30,
+                       json={"model": str(model_dir), "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == model_dir.name

@@ -73,12 +73,13 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
         raise ValueError(f"model {spec.path} has a vocabulary of {config.vocab_size} tokens where "
                          f"{spec.vocab_size} are needed: a draft must share the target's tokenizer")
     max_model_len = resolve_max_model_len(config, spec.max_model_len, spec.cap_max_model_len)
-    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
-    max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     model = build_model(ckpt, spec.dtype, device, max_model_len)
     ckpt.tensors = {}
     for line in apply_platform(model, spec.platform, spec.dtype):
         logger.info(line)
+    # Sized after the weights are in place: "a fraction of free memory" means what they left.
+    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
+    max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     fmt = kv_format(cache.kv_cache_dtype)
     kv_caches = allocate_kv_cache(plan, config.num_layers, config.num_kv_heads, config.head_dim,
                                   spec.dtype, device, fmt)

@@ -130,6 +130,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
 
 def _open(path: str) -> gguf.GGUFReader:
     """The file's reader; a file gguf cannot parse (truncated, not GGUF) is named in the error."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such GGUF file")
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:

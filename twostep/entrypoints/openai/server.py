@@ -55,10 +55,11 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 _TEMPLATE_SOURCES = ("chat_template", "tools", "documents")
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None,
+                   retry_after: int | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
-    headers = {"Retry-After": "1"} if status == 503 else None   # a full queue drains in seconds
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -74,6 +75,7 @@ class ServerConfig:
     metrics_need_key: bool = False               # /metrics behind the API key too
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False    # chat_template_kwargs may carry a template
+    model_aliases: tuple[str, ...] = ()          # other names requests may use (--model as given)
 
 
 @dataclass
@@ -112,14 +114,15 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.twostep = state
     _install_error_handlers(app)
     if config.api_key:
-        _require_api_key(app, config.api_key, config.metrics_need_key)
+        app.add_middleware(RequireAPIKey, api_key=config.api_key,
+                           open_paths={"/health"} | (set() if config.metrics_need_key else {"/metrics"}))
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     _add_routes(app, state)
-    app.openapi = lambda: _openapi(app, bool(config.api_key))
+    app.openapi = lambda: _openapi(app, bool(config.api_key), config.metrics_need_key)
     return app
 
 
-def _openapi(app: FastAPI, with_key: bool) -> dict:
+def _openapi(app: FastAPI, with_key: bool, metrics_need_key: bool) -> dict:
     """FastAPI's schema, made true to the server: invalid input is a 400 in OpenAI's shape (FastAPI
     declares a 422 the server never sends), and with an API key every route but /health may 401."""
     if app.openapi_schema is None:
@@ -131,7 +134,7 @@ def _openapi(app: FastAPI, with_key: bool) -> dict:
                 responses = op["responses"]
                 if responses.pop("422", None) is not None:
                     responses.setdefault("400", error)
-                if with_key and path != "/health":
+                if with_key and path != "/health" and (path != "/metrics" or metrics_need_key):
                     responses.setdefault("401", {**error, "description": "missing or wrong API key"})
         for unused in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(unused, None)
@@ -158,39 +161,37 @@ class BodySizeLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _BodyTooLarge
+            if seen > self.max_bytes:   # FastAPI passes HTTPExceptions through its body parsing
+                raise StarletteHTTPException(413, self._message())
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await self._refuse(scope, receive, send)
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is over {self.max_bytes:,} bytes (the server's --max-request-body-bytes)"
 
     async def _refuse(self, scope, receive, send):
-        response = error_response(413, f"the request body is over {self.max_bytes:,} bytes "
-                                       "(the server's --max-request-body-bytes)")
-        await response(scope, receive, send)
+        await error_response(413, self._message())(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class RequireAPIKey:
+    """Bearer authentication on every route but open_paths. Pure ASGI (not BaseHTTPMiddleware,
+    under which a handler can no longer see its client disconnect)."""
 
+    def __init__(self, app, api_key: str, open_paths: set[str]) -> None:
+        self.app, self.open_paths = app, open_paths
+        self.expected = f"Bearer {api_key}".encode()
 
-def _require_api_key(app: FastAPI, api_key: str, metrics_need_key: bool) -> None:
-    """Bearer authentication on every route but /health (and /metrics unless metrics_need_key)."""
-    open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if request.url.path in open_paths or hmac.compare_digest(given, expected):
-            return await call_next(request)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
         response = error_response(401, "missing or wrong API key: send the header "
                                        "'Authorization: Bearer <key>' with the server's --api-key")
         response.headers["WWW-Authenticate"] = "Bearer"
-        return response
+        await response(scope, receive, send)
 
 
 def is_loopback(host: str) -> bool:
@@ -214,7 +215,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(_request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param)
+        # a full queue (the only 503 an APIError carries) drains in seconds
+        return error_response(exc.status, exc.message, exc.param, 1 if exc.status == 503 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, exc: StarletteHTTPException):
@@ -289,7 +291,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and model not in state.config.model_aliases:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                             f"{state.model_name!r}", "model")
 
@@ -352,11 +354,12 @@ class _Batch:
         if not self.sink.empty():
             return self.sink.get_nowait()
         get = asyncio.ensure_future(self.sink.get())
-        done, _ = await asyncio.wait({get, left}, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        return None
+        try:
+            done, _ = await asyncio.wait({get, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():
+                get.cancel()        # the item, if one came, stays in the queue
+        return get.result() if get in done else None
 
 
 async def _client_leaves(raw: Request, every: float = 0.1) -> None:
@@ -384,8 +387,9 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
     _check_fan_out(state, len(prompts), body.n)
     prompt_ids = await _prompt_ids(state, prompts)
+    note = "" if "max_tokens" in body.model_fields_set else " (the default)"
     for ids in prompt_ids:
-        _check_length(state, ids, max_tokens, "prompt")
+        _check_length(state, ids, max_tokens, "prompt", note)
     batch = _Batch(state, "cmpl")
     await batch.add(prompt_ids, params)
     if body.stream:
@@ -503,6 +507,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     _check_logprobs(state, "top_logprobs", top)
     _check_fan_out(state, 1, body.n)
+    _check_characters(state, sum(len(m.content) if isinstance(m.content, str) else
+                                 sum(len(str(p.get("text", ""))) for p in m.content or [])
+                                 for m in body.messages), "messages")
     ids = await _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     _check_length(state, ids, max_tokens, "messages")
     params = _params(state, body, max_tokens, top if body.logprobs else None, None)
@@ -599,15 +606,23 @@ def _template_kwargs(state: ServerState, kwargs: dict | None) -> dict:
 async def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
     """Every prompt as token ids, tokenized in a worker thread. A text too long to fit in
     max_model_len tokens whatever it says is refused by its length alone, before any work."""
-    tok, limit = state.tokenizer, state.engine.engine.max_model_len
-    most_chars = (limit - 1) * tok.max_token_chars
     for p in prompts:
-        if isinstance(p, str) and len(p) > most_chars:
-            raise APIError(400, f"the prompt has {len(p):,} characters: more than max_model_len {limit} "
-                                "tokens of this tokenizer can spell", "prompt")
+        if not p:
+            raise APIError(400, "prompt is empty: give at least one character or token", "prompt")
+        if isinstance(p, str):
+            _check_characters(state, len(p), "prompt")
+    tok = state.tokenizer
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, True) if texts else [])
     return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _check_characters(state: ServerState, num_chars: int, field: str) -> None:
+    """A text too long for max_model_len tokens whatever it says, known by its length alone."""
+    tok, limit = state.tokenizer, state.engine.engine.max_model_len
+    if num_chars > (limit - 1) * tok.max_token_chars:
+        raise APIError(400, f"the {field} has {num_chars:,} characters: more than max_model_len {limit} "
+                            "tokens of this tokenizer can spell", field)
 
 
 def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
@@ -618,13 +633,17 @@ def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
                             f"n {n}); the server queues at most {limit} (--max-queued-requests)", "n")
 
 
-def _check_length(state: ServerState, ids: list[int], max_tokens: int | None, field: str) -> None:
+def _check_length(state: ServerState, ids: list[int], max_tokens: int | None, field: str,
+                  default_note: str = "") -> None:
     """vLLM's rule: the prompt and max_tokens together must fit max_model_len."""
     limit = state.engine.engine.max_model_len
+    if len(ids) >= limit:
+        raise APIError(400, f"the {field} has {len(ids)} tokens; max_model_len is {limit}, which must "
+                            "leave room for at least one generated token", field)
     if max_tokens is not None and len(ids) + max_tokens > limit:
-        raise APIError(400, f"this request has {len(ids)} prompt tokens and max_tokens {max_tokens}: "
-                            f"{len(ids) + max_tokens} is over max_model_len {limit}; shorten the "
-                            f"{field} or lower max_tokens", "max_tokens")
+        raise APIError(400, f"this request has {len(ids)} prompt tokens and max_tokens {max_tokens}"
+                            f"{default_note}: {len(ids) + max_tokens} is over max_model_len {limit}; "
+                            f"shorten the {field} or lower max_tokens", "max_tokens")
 
 
 def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
