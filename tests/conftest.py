@@ -317,3 +317,23 @@ def metric(families: dict, family: str, sample: str | None = None, **labels) -> 
         sample = family + ("_total" if fam.type == "counter" else "")
     return sum(s.value for s in fam.samples
                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+# ---- GGUF files written by the tests
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name for a HF tensor name (weights and biases)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"

@@ -811,13 +811,15 @@ def test_the_schema_states_what_the_server_sends(server):
 
 # ---- 4. a client that disconnects mid-stream ---------------------------------------------------
 
+def long_request(path: str, **fields) -> dict:
+    """A request that would run for far longer than any test waits, on either endpoint."""
+    body = {"model": MODEL, "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, **fields}
+    return body | ({"messages": [{"role": "user", "content": CJK}]} if path == CH else {"prompt": CJK})
+
+
 @pytest.mark.parametrize("path", [C, CH], ids=["completions", "chat"])
 def test_disconnect_aborts_and_frees_kv_blocks(limited_server, path):
-    body = {"model": MODEL, "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-    if path == CH:
-        body["messages"] = [{"role": "user", "content": CJK}]
-    else:
-        body["prompt"] = CJK
+    body = long_request(path, temperature=0, stream=True)
     assert all(v == 0 for v in wait_idle(limited_server, 10).values())
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", limited_server.url(path), json=body) as r:
@@ -840,11 +842,7 @@ def test_disconnect_aborts_and_frees_kv_blocks(limited_server, path):
 @pytest.mark.parametrize("path,n", [(C, 1), (CH, 1), (C, 2)], ids=["completions", "chat", "n2"])
 def test_a_non_streaming_client_that_leaves_frees_its_requests(limited_server, path, n):
     """The client gives up after a second while tokens keep coming: every choice is aborted."""
-    body = {"model": MODEL, "max_tokens": LONG_MAX_TOKENS, "temperature": 0.5, "ignore_eos": True, "n": n}
-    if path == CH:
-        body["messages"] = [{"role": "user", "content": CJK}]
-    else:
-        body["prompt"] = CJK
+    body = long_request(path, temperature=0.5, n=n)
     assert all(v == 0 for v in wait_idle(limited_server, 10).values())
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(limited_server.url(path), json=body, timeout=1.0)

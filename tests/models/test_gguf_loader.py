@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from conftest import gguf_name
 from twostep.models.gguf_loader import GGUFCheckpoint, load_gguf
 
 SHARED_MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
@@ -144,12 +145,6 @@ TINY = {"layers": 2, "dim": 64, "ffn": 128, "heads": 4, "kv_heads": 2}
 TINY_TOKENS = ["<unk>", "<s>", "</s>", "\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581h", "\u2581hi"]
 NONE_ID = 0xFFFFFFFF  # llama.cpp's "no such token"
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
-
-
 def _tiny_hf_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """A known HF-layout state dict for the tiny model, with the output head untied."""
     dim, ffn, head_dim = cfg["dim"], cfg["ffn"], cfg["dim"] // cfg["heads"]
@@ -169,15 +164,6 @@ def _tiny_hf_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarra
             f"{layer}.post_attention_layernorm.weight": (dim,),
         }
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-
-
-def _gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf_name in fixed:
-        return fixed[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
 def _llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -221,7 +207,7 @@ def _write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], type_of, cfg: dict =
             values = _llama_cpp_permute(values, cfg["heads"] if "q_proj" in name else cfg["kv_heads"])
         qtype = type_of(name) if values.ndim == 2 else QType.F32  # norms stay F32, as in real files
         data = raw[name] if name in raw else gguf.quants.quantize(values, qtype)
-        writer.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
         written[name] = (data, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -11,24 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import VOCAB, engine_for, hf_greedy, load_hf, random_prompts
+from conftest import VOCAB, engine_for, gguf_name, hf_greedy, load_hf, random_prompts
 
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-
-
-def gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf_name in fixed:
-        return fixed[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"
 
 
 def write_gguf(folder: Path, path: Path, arch: str, extra_tensor: str | None = None) -> Path:
