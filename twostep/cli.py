@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from twostep.config import EngineConfig
+from twostep.config import QUANTIZATION_METHODS, EngineConfig
 from twostep.sampling_params import SamplingParams
 
 
@@ -16,6 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="weights: default keeps the checkpoint's format (a GGUF file's quantized types "
+                        "stay packed); none: dequantize a GGUF at load; int8 (per output channel) / int4 "
+                        "(groups of 32): quantize a float checkpoint at load")
     p.add_argument("--device", default=d.device)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -67,7 +71,7 @@ def speculative_config_from(args: argparse.Namespace) -> dict | None:
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,

@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType as QType
 
 from conftest import gguf_name
 from twostep.models.gguf_loader import GGUFCheckpoint, load_gguf
+from twostep.quantization.gguf_blocks import PACKED_TYPES
+from twostep.quantization.packed import QuantizedWeight
 
 SHARED_MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 STORIES = "stories260K.gguf"
@@ -70,6 +72,8 @@ def _assert_tensors_match(ours: dict[str, torch.Tensor], reference: dict[str, to
     expected_names = set(reference) - ({"lm_head.weight"} if tied else set())
     assert set(ours) == expected_names
     for name, tensor in ours.items():
+        if isinstance(tensor, QuantizedWeight):     # Q4_1 / Q8_0 read back exactly
+            tensor = tensor.dequantize()
         assert tensor.dtype == torch.float32, name
         assert tensor.shape == reference[name].shape, name
         diff = (tensor - reference[name]).abs().max().item()
@@ -220,16 +224,21 @@ def _dequantized(data: np.ndarray, qtype: QType) -> torch.Tensor:
     return torch.from_numpy(np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32))
 
 
+@pytest.mark.parametrize("keep_quantized", [False, True], ids=["dequantized", "packed"])
 @pytest.mark.parametrize("qtype", [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1],
                          ids=lambda t: t.name)
-def test_synthetic_tensor_types(tmp_path, qtype):
+def test_synthetic_tensor_types(tmp_path, qtype, keep_quantized):
     hf = _tiny_hf_tensors(TINY, np.random.default_rng(0))
     written = _write_tiny_gguf(tmp_path / "tiny.gguf", hf, lambda name: qtype)
-    ckpt = load_gguf(tmp_path / "tiny.gguf")
+    ckpt = load_gguf(tmp_path / "tiny.gguf", keep_quantized=keep_quantized)
 
     assert set(ckpt.tensors) == set(hf)
     for name, (data, written_type) in written.items():
         loaded = ckpt.tensors[name]
+        packed = isinstance(loaded, QuantizedWeight)
+        assert packed == (keep_quantized and written_type in PACKED_TYPES and data.ndim == 2), name
+        if packed:      # these types' scales are float16 already: the packed form reads back exactly
+            loaded = loaded.dequantize()
         assert loaded.dtype == torch.float32 and loaded.shape == hf[name].shape, name
         if "q_proj" in name or "k_proj" in name:
             # Quantisation works along rows, so quantising the permuted rows and un-permuting gives the
@@ -257,7 +266,7 @@ def test_synthetic_extra_types(tmp_path, qtype):
     raw = np.random.default_rng(2).integers(0, 256, (cfg["dim"], cfg["ffn"] // block * block_bytes),
                                             dtype=np.uint8)
     _write_tiny_gguf(path, hf, lambda name: qtype if name == down else QType.F32, cfg, raw={down: raw})
-    loaded = load_gguf(path).tensors[down]
+    loaded = load_gguf(path, keep_quantized=False).tensors[down]
     torch.testing.assert_close(loaded, _dequantized(raw, qtype), rtol=0, atol=0, equal_nan=True)
 
 
@@ -267,7 +276,7 @@ def test_synthetic_config_tokenizer_and_dtype(tmp_path):
     extra = [lambda w: w.add_chat_template("{{ messages[0]['content'] }}"),
              lambda w: w.add_eot_token_id(len(TINY_TOKENS) - 1)]
     _write_tiny_gguf(tmp_path / "tiny.gguf", hf, lambda name: QType.Q8_0, tokenizer_extra=extra)
-    ckpt = load_gguf(tmp_path / "tiny.gguf", dtype=torch.bfloat16)
+    ckpt = load_gguf(tmp_path / "tiny.gguf", dtype=torch.bfloat16, keep_quantized=False)
 
     assert all(t.dtype == torch.bfloat16 for t in ckpt.tensors.values())
     assert "lm_head.weight" not in ckpt.tensors

@@ -8,6 +8,8 @@ import torch
 from twostep.config.kv_cache_dtype import kv_format
 from twostep.config.speculative import SpeculativeConfig
 
+# --quantization (vLLM's flag): kept here with the other choices the config checks
+QUANTIZATION_METHODS = ("none", "int8", "int4")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,6 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     model: str | None = None               # folder, .gguf file or hub id; None -> packaged default
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16
+    # Weights: None keeps the checkpoint's format (GGUF types stay packed); "none" dequantizes a
+    # GGUF file at load; "int8" / "int4" quantize a float checkpoint's linears at load.
+    quantization: str | None = None
     device: str = "auto"                   # auto | cpu | cuda[:N]
     block_size: int = 16
     max_num_seqs: int = 64
@@ -45,6 +50,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")

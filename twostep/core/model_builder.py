@@ -14,10 +14,10 @@ from twostep.config import kv_format
 from twostep.core.model_runner import ModelRunner
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
-from twostep.layers.dispatch import apply_platform
+from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
-from twostep.models.loader import build_model, load_checkpoint
+from twostep.models.loader import build_model, load_checkpoint, num_weights
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
 
@@ -46,6 +46,7 @@ class ModelSpec:
     cap_max_model_len: bool = False            # True: cap at the model's limit instead of refusing
     attention_backend: str = "auto"
     vocab_size: int | None = None              # the vocabulary it must have (a draft: the target's)
+    quantization: str | None = None            # EngineConfig.quantization
 
 
 @dataclass(slots=True)
@@ -67,7 +68,8 @@ class ModelInstance:
 
 def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) -> ModelInstance:
     device = spec.platform.device
-    ckpt = load_checkpoint(spec.path, spec.dtype)
+    ckpt = load_checkpoint(spec.path, spec.dtype, spec.quantization)
+    weights = num_weights(ckpt)
     config = ckpt.config
     if spec.vocab_size is not None and config.vocab_size != spec.vocab_size:
         raise ValueError(f"model {spec.path} has a vocabulary of {config.vocab_size} tokens where "
@@ -77,6 +79,9 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     ckpt.tensors = {}
     for line in apply_platform(model, spec.platform, spec.dtype):
         logger.info(line)
+    held = weight_bytes(model)
+    logger.info("weights: %.1f MiB for %.1fM weights (%.2f bits per weight)", held / 2**20, weights / 1e6,
+                8 * held / max(weights, 1))
     # Sized after the weights are in place: "a fraction of free memory" means what they left.
     plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
     max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)

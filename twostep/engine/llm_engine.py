@@ -41,7 +41,7 @@ class LLMEngine:
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         target = build_model_instance(
             ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
-                      attention_backend=config.attention_backend),
+                      attention_backend=config.attention_backend, quantization=config.quantization),
             CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
                       config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
                       config.max_num_seqs),

@@ -1,9 +1,15 @@
 """C++ kernels, compiled on first use with torch's extension tooling (g++ and ninja; the build is
-cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch."""
+cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch.
+
+Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
+CPU's feature flags: a home folder shared by machines of different kinds (an AVX-512 Zen 5, an
+AVX2-only EPYC, a Xeon with AMX) never runs code built for another's instructions."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -15,11 +21,24 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fn
 _OPENMP = "-fopenmp"
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_tag() -> str:
+    """A short name for this CPU's instruction-set features (the flags line of /proc/cpuinfo)."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+
+
 def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
     """Build (or reuse the cached build of) one kernel; None when it cannot be built here. A compiler
     without OpenMP gets a second, single-threaded try."""
     path = str(Path(__file__).with_name(source))
     error = None
+    name = f"{name}_{cpu_tag()}"
     for suffix, flags in (("", [_OPENMP]), ("_serial", [])):
         try:
             from torch.utils.cpp_extension import load
@@ -52,3 +71,17 @@ def elementwise():
     -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do (and
     signed zeros kept)."""
     return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))
+
+
+@functools.lru_cache(maxsize=None)
+def quant_linear():
+    """Matrix-vector products and row dequantisation on twostep's packed quantized layout
+    (AVX-VNNI / AVX512-VNNI / AVX2, else plain C++), or None when it cannot be built here."""
+    return _load("twostep_quant_linear", "quant_linear.cpp")
+
+
+@functools.lru_cache(maxsize=None)
+def quant_linear_portable():
+    """The same kernel built without its SIMD paths: the fallback for CPUs without AVX2, built
+    everywhere by the tests so that path is checked on every machine."""
+    return _load("twostep_quant_linear_portable", "quant_linear.cpp", ("-DTWOSTEP_FORCE_SCALAR",))

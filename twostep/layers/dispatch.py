@@ -1,21 +1,28 @@
 """Bind a loaded model's layers to its platform, once: each Linear gets the platform's linear
-method for the model's dtype (if it has one), each CustomOp the platform's implementation of its op
-(if any). What was switched on is returned for the start-up log."""
+method for the model's dtype (if it has one), a quantized Linear or Embedding the platform's
+quantized method (or, without one, its weight dequantized to the dtype), each CustomOp the
+platform's implementation of its op (if any). What was switched on is returned for the start-up log."""
 from __future__ import annotations
+
+import logging
+from collections import Counter
 
 import torch
 from torch import nn
 
 from twostep.layers.custom_op import CustomOp
+from twostep.layers.embedding import Embedding
 from twostep.layers.linear import Linear
 from twostep.platforms import Platform
 
+logger = logging.getLogger(__name__)
+
 
 def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:
-    done = []
+    done = _bind_quantized(model, platform, dtype)
     method = platform.linear_method(dtype)
     if method is not None:
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
         for linear in linears:
             linear.set_method(method)
         done.append(f"{len(linears)} linears: {method.name}")
@@ -31,9 +38,55 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
     return done
 
 
+def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:
+    layers = [m for m in model.modules() if isinstance(m, (Linear, Embedding)) and m.quantized is not None]
+    if not layers:
+        return []
+    method = platform.quantized_linear_method()
+    if method is None:
+        logger.warning("no quantized kernel on the %s platform here: %d quantized weights are "
+                       "dequantized to %s at load (more memory, slower decode)", platform.name, len(layers),
+                       str(dtype).removeprefix("torch."))
+        dequantized: dict[int, nn.Parameter] = {}        # a tied head and its embedding: one copy
+        for m in layers:
+            key = id(m.quantized)
+            if key not in dequantized:
+                dequantized[key] = nn.Parameter(m.quantized.dequantize(dtype), requires_grad=False)
+            m.weight, m.quantized = dequantized[key], None
+        return [f"{len(layers)} quantized weights dequantized to {dtype} (no {platform.name} kernel)"]
+    formats: Counter[str] = Counter()
+    for m in layers:
+        formats.update(m.quantized.format_names)
+        if isinstance(m, Linear):
+            m.set_method(method)
+        else:
+            m.weight, m.method, m.dtype = None, method, dtype
+    kinds = ", ".join(f"{count} {name}" for name, count in sorted(formats.items()))
+    return [f"{len(layers)} quantized linears and embeddings ({kinds}): {method.name}"]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Memory the model's weights take as bound: parameters, packed and quantized forms, each
+    tensor counted once (a tied head shares its embedding's)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        tensors = [p for p in m.parameters(recurse=False)]
+        tensors += [getattr(m, a, None) for a in ("packed_weight", "row_major_weight", "plain_bias")]
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                try:
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+                except RuntimeError:        # an opaque tensor: counted by its element count
+                    seen[id(t)] = t.numel() * t.element_size()
+        quantized = getattr(m, "quantized", None)
+        if quantized is not None:
+            seen[id(quantized)] = quantized.nbytes
+    return sum(seen.values())
+
+
 def _row_major_bytes(model: nn.Module) -> int:
     """Memory the row-major copies cost on top of the packed weights (a tied lm_head's is the
     embedding table, which exists anyway)."""
-    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}
     kept = [getattr(m, "row_major_weight", None) for m in model.modules() if isinstance(m, Linear)]
     return sum(w.numel() * w.element_size() for w in kept if w is not None and w.data_ptr() not in shared)

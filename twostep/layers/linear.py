@@ -1,9 +1,10 @@
 """A linear layer whose weight format is a pluggable method, as vLLM's LinearMethodBase.
 
-The layer holds the checkpoint's parameters (weight [out, in], optional bias) and a LinearMethod
-that decides how they are stored and multiplied: the plain PyTorch one here; a platform's (oneDNN
-pre-packed bf16 with a matrix-vector kernel on CPU, platforms/cpu/linear.py) or a quantized
-format's, chosen once at load (layers/dispatch.py). The model file reads as the math either way.
+The layer holds the checkpoint's parameters (weight [out, in], or `quantized`, a packed
+QuantizedWeight, and an optional bias) and a LinearMethod that decides how they are stored and
+multiplied: the plain PyTorch one here; a platform's (oneDNN pre-packed bf16 with a
+matrix-vector kernel on CPU, platforms/cpu/linear.py) or its quantized one
+(platforms/cpu/quant_linear.py), chosen once at load (layers/dispatch.py). The model file reads as the math either way.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from twostep.quantization.packed import QuantizedWeight
 
 
 class LinearMethod(Protocol):
@@ -43,6 +46,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quantized: QuantizedWeight | None = None     # set at load instead of weight (quantized formats)
         self.method: LinearMethod = UnquantizedLinearMethod()
 
     def set_method(self, method: LinearMethod) -> None:

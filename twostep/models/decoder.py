@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twostep.attention.backend import AttentionBackend
+from twostep.layers.embedding import Embedding
 from twostep.layers.linear import Linear
 from twostep.layers.norm import RMSNorm
 from twostep.layers.rotary import RopeTables, RotaryEmbedding
@@ -76,7 +77,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -98,7 +99,8 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            embedding = self.model.embed_tokens
+            self.lm_head.weight, self.lm_head.quantized = embedding.weight, embedding.quantized
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list, meta,

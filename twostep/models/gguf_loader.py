@@ -1,7 +1,9 @@
 """Read a llama, qwen2 or qwen3 GGUF file into what a HF checkpoint folder would give us.
 
 `load_gguf(path, dtype)` returns a `GGUFCheckpoint`: a HF-style config dict, the weights under HF
-parameter names (dequantised to float32, then cast to `dtype`), a `tokenizers.Tokenizer` built
+parameter names (matrices of Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K kept packed as
+QuantizedWeight, quantization/gguf_blocks.py; other types, and every type with
+keep_quantized=False, dequantised to float32 and cast to `dtype`), a `tokenizers.Tokenizer` built
 from the vocabulary stored in the file, and tokenizer / generation settings. Mistral and SmolLM
 files are llama architecture; qwen2 adds q/k/v biases, qwen3 q/k RMSNorms (and an explicit head
 size). llama.cpp's converter permutes the Q/K rows of llama files only (qwen rotates halves, as HF).
@@ -34,6 +36,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Tokenizer, processors
+
+from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
+from twostep.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +103,15 @@ _REQUIRED = object()
 @dataclass
 class GGUFCheckpoint:
     hf_config: dict
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: Tokenizer
     tokenizer_config: dict
     generation_config: dict
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Load a GGUF file: HF config, HF-named weights in `dtype`, tokenizer and its settings."""
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              keep_quantized: bool = True) -> GGUFCheckpoint:
+    """Load a GGUF file: HF config, HF-named weights (packed or in `dtype`), tokenizer and its settings."""
     path = os.fspath(path)
     reader = _open(path)
     _check_supported(reader, path)
@@ -114,7 +120,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
     special = _special_token_ids(reader, path, len(tokens))
     hf_config = _hf_config(reader, path, special)
     arch = _field(reader, "general.architecture", path)
-    tensors = _load_tensors(reader, hf_config, dtype, path, arch)
+    tensors = _load_tensors(reader, hf_config, dtype, path, arch, keep_quantized)
     tokenizer, tokenizer_config = _build_tokenizer(reader, path, tokens, special)
     generation_config = _generation_config(special)
 
@@ -288,8 +294,16 @@ def _unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _packed(tensor, path: str) -> QuantizedWeight:
+    n, k = (int(d) for d in reversed(tensor.shape))
+    try:
+        return QuantizedWeight((pack_gguf(tensor.data, tensor.tensor_type, n, k),))
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor {tensor.name!r}: {e}") from None
+
+
 def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
-                  path: str, arch: str) -> dict[str, torch.Tensor]:
+                  path: str, arch: str, keep_quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     if arch != "llama":
         rotary_heads = {}       # only llama files have their Q/K rows permuted
@@ -299,11 +313,16 @@ def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
             config["rope_freq_factors"] = [float(x) for x in _dequantize(tensor).flatten()]
             continue
         name = _hf_name(tensor.name, path, arch)
-        weight = _dequantize(tensor)
+        packed = keep_quantized and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2
+        weight = _packed(tensor, path) if packed else _dequantize(tensor)
         projection = name.split(".")[-2]
         if projection in rotary_heads and name.endswith(".weight"):
-            weight = _unpermute_rotary_rows(weight, rotary_heads[projection])
-        tensors[name] = weight.to(dtype)
+            if packed:
+                order = _unpermute_rotary_rows(torch.arange(weight.n).unsqueeze(1), rotary_heads[projection])
+                weight = weight.rows(order.squeeze(1))
+            else:
+                weight = _unpermute_rotary_rows(weight, rotary_heads[projection])
+        tensors[name] = weight if packed else weight.to(dtype)
     _check_complete(tensors, config["num_hidden_layers"], path, arch)
     return tensors
 

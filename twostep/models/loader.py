@@ -13,6 +13,9 @@ import torch
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.models.weights import fuse_projections
+from twostep.quantization.packed import QuantizedWeight
+from twostep.config import QUANTIZATION_METHODS
+from twostep.quantization.quantize import can_quantize, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class LoadedCheckpoint:
     """Everything the engine needs from a checkpoint, whatever its format."""
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer_source: object          # a folder path (HF) or a GGUFCheckpoint
     generation_config: dict
     path: str
@@ -69,9 +72,13 @@ def _download_from_hub(repo_id: str) -> str:
         ) from e
 
 
-def load_checkpoint(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
+def load_checkpoint(path: str, dtype: torch.dtype, quantization: str | None = None) -> LoadedCheckpoint:
+    """quantization: None keeps the checkpoint's format (a GGUF file's quantized types stay
+    packed), "none" dequantizes a GGUF file at load, "int8" / "int4" quantize float linears."""
+    if quantization not in (None, *QUANTIZATION_METHODS):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
     if path.endswith(".gguf") and os.path.isfile(path):
-        return _load_gguf(path, dtype)
+        return _quantize(_load_gguf(path, dtype, keep_quantized=quantization != "none"), quantization)
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{path!r} is neither a .gguf file nor a folder with config.json")
@@ -80,17 +87,39 @@ def load_checkpoint(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
     if not (folder / "tokenizer.json").is_file():  # before the weights: fail fast
         raise ValueError(f"{path!r} has no tokenizer.json (twostep reads fast tokenizers only)")
     generation_config = _read_json(folder / "generation_config.json")
-    return LoadedCheckpoint(config, _read_safetensors(folder, dtype), str(folder),
-                            generation_config, path)
+    return _quantize(LoadedCheckpoint(config, _read_safetensors(folder, dtype), str(folder),
+                                      generation_config, path), quantization)
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> LoadedCheckpoint:
+def _load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool) -> LoadedCheckpoint:
     from twostep.models.gguf_loader import load_gguf
 
-    ckpt = load_gguf(path, dtype)
+    ckpt = load_gguf(path, dtype, keep_quantized)
     config = ModelConfig.from_hf(ckpt.hf_config)
     tensors, ckpt.tensors = ckpt.tensors, {}      # held once, by the LoadedCheckpoint
     return LoadedCheckpoint(config, tensors, ckpt, ckpt.generation_config, path)
+
+
+def _quantize(ckpt: LoadedCheckpoint, method: str | None) -> LoadedCheckpoint:
+    """--quantization int8 / int4: every float linear weight (and the embedding of a tied head,
+    which is the head's weight) packed in that format; rows not made of whole 32-weight blocks
+    stay in float."""
+    if method in (None, "none"):
+        return ckpt
+    names = [n for n, t in ckpt.tensors.items() if isinstance(t, torch.Tensor) and _is_linear_weight(n, ckpt.config)]
+    kept = [n for n in names if not can_quantize(ckpt.tensors[n])]
+    for name in names:
+        if name not in kept:
+            ckpt.tensors[name] = QuantizedWeight((quantize_weight(ckpt.tensors[name], method),))
+    logger.info("quantized %d weight matrices to %s at load%s", len(names) - len(kept), method,
+                f" ({len(kept)} kept in float: rows not whole blocks of 32)" if kept else "")
+    return ckpt
+
+
+def _is_linear_weight(name: str, config: ModelConfig) -> bool:
+    if name == "model.embed_tokens.weight":
+        return config.tie_word_embeddings
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
 
 
 def _read_json(path: Path) -> dict:
@@ -121,6 +150,21 @@ def _harmless(name: str, config: ModelConfig) -> bool:
         name == "lm_head.weight" and config.tie_word_embeddings)
 
 
+def _adopt_quantized(model: DecoderForCausalLM, name: str, weight: QuantizedWeight, path: str) -> None:
+    """A quantized tensor replaces its module's float weight (which stays on the meta device
+    otherwise)."""
+    module = model.get_submodule(name.removesuffix(".weight"))
+    if tuple(module.weight.shape) != weight.shape:
+        raise ValueError(f"checkpoint {path!r}: {name} is {list(weight.shape)}, the model expects "
+                         f"{list(module.weight.shape)}")
+    module.weight, module.quantized = None, weight
+
+
+def num_weights(ckpt: LoadedCheckpoint) -> int:
+    """How many weights the checkpoint's tensors hold."""
+    return sum(t.n * t.k if isinstance(t, QuantizedWeight) else t.numel() for t in ckpt.tensors.values())
+
+
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> DecoderForCausalLM:
     """Build on the meta device (no random init), then adopt the checkpoint tensors."""
@@ -134,12 +178,16 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     if unused:
         raise ValueError(f"checkpoint {ckpt.path!r} has tensors this model would not use (an "
                          f"unsupported feature?): {unused[:5]}{' ...' if len(unused) > 5 else ''}")
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items() if k in expected}
-    missing = sorted(expected - tensors.keys())
+    quantized = {k: v for k, v in ckpt.tensors.items() if k in expected and isinstance(v, QuantizedWeight)}
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.tensors.items()
+               if k in expected and k not in quantized}
+    missing = sorted(expected - tensors.keys() - quantized.keys())
     if missing:
         raise ValueError(f"checkpoint {ckpt.path!r} lacks tensors: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
     model.load_state_dict(tensors, strict=False, assign=True)
+    for name, weight in quantized.items():
+        _adopt_quantized(model, name, weight, ckpt.path)
     model.tie_weights()
     model.init_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

@@ -23,6 +23,11 @@ class Platform:
         """A LinearMethod (layers/linear.py) for unquantized weights of this dtype, or None: F.linear."""
         return None
 
+    def quantized_linear_method(self):
+        """A LinearMethod for QuantizedWeight layers that also embeds (layers/embedding.py), or
+        None: such weights are dequantized at load to the model's dtype."""
+        return None
+
     def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
         """This platform's implementation of a CustomOp (layers/custom_op.py), or None: native."""
         return None

@@ -1,5 +1,6 @@
 """The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
-linears with a matrix-vector kernel for 1-3 rows (linear.py), RMSNorm and rotary as one C++ call
+linears with a matrix-vector kernel for 1-3 rows (linear.py), quantized weights read packed
+(quant_linear.py), RMSNorm and rotary as one C++ call
 each (elementwise.py), paged decode attention in C++ (paged_attention.py). Each only where its
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from twostep import kernels
 from twostep.platforms.cpu.elementwise import elementwise_op
 from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
 from twostep.platforms.cpu.paged_attention import paged_decode_attention
+from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod
 from twostep.platforms.interface import Platform
 
 
@@ -34,6 +36,10 @@ class CpuPlatform(Platform):
             self._linear_methods[dtype] = PackedLinearMethod(
                 kernels.linear_bf16() if self.gemv else None) if usable else None
         return self._linear_methods[dtype]
+
+    def quantized_linear_method(self) -> QuantizedLinearMethod | None:
+        kernel = kernels.quant_linear()
+        return None if kernel is None else QuantizedLinearMethod(kernel)
 
     def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
         return elementwise_op(kernels.elementwise(), name, dtype)

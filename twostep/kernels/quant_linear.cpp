@@ -1,0 +1,462 @@
+// Quantized linears: weights in twostep's packed layout (twostep/quantization/packed.py), read in place.
+//
+// gemv: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m, streaming each weight block once.
+//   The activations are quantized per block of 32 to int16 (one float scale per block; a relative
+//   error near 2**-16, so the result is the float product of the dequantized weights within float
+//   rounding), and a block's dot product is integer multiply-adds of its codes against them:
+//     sum_i w_i x_i = sum_groups scale * xd * sum_i q_i xq_i + (min - zero * scale) * xd * sum_i xq_i
+//   The second term needs only each block's sum of xq, computed once per call. (llama.cpp quantizes
+//   activations to int8 instead: as fast here, but ~0.5% off, enough to flip a close top token.)
+//   Paths, chosen where the kernel is built (on the machine that runs it, -march=native):
+//   AVX-VNNI / AVX512-VNNI dpwssd, AVX2 madd, and plain C++ as the fallback.
+// dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
+//   matrix-matrix product hands to oneDNN / MKL).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TWOSTEP_FORCE_SCALAR)
+#define TWOSTEP_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;
+
+struct Planes {
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t k;
+  int group;
+  int zero;
+  int64_t qs_row() const { return bits == 8 ? k : k / 2; }
+  int64_t qh_row() const { return bits == 5 ? k / 8 : bits == 6 ? k / 4 : 0; }
+  int64_t groups_row() const { return k / group; }
+  int bits;
+};
+
+constexpr int qs_bytes(int bits) { return bits == 8 ? 32 : 16; }
+constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
+
+// Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
+// for each half block of 16 (a group of 16 needs its own half).
+struct QuantizedActivations {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+  std::vector<float> half_sums;
+  std::vector<float> group_sums;   // scale * (sum of the codes) per weight group, [rows, k / group]
+};
+
+// Per weight group (16, or a multiple of 32 weights): the activations' sums from the half blocks'.
+void sum_groups(QuantizedActivations& a, int64_t rows, int64_t k, int64_t group) {
+  const int64_t halves = k / 16, per = group / 16, groups = k / group;
+  a.group_sums.assign(rows * groups, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t h = 0; h < halves; ++h) a.group_sums[m * groups + h / per] += a.half_sums[m * halves + h];
+}
+
+template <typename scalar_t>
+QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, int64_t stride) {
+  const int64_t nb = k / kBlock;
+  QuantizedActivations a{std::vector<int16_t>(rows * k), std::vector<float>(rows * nb),
+                         std::vector<float>(rows * nb * 2)};
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const scalar_t* xb = x + m * stride + b * kBlock;
+      float v[kBlock];
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) {
+        v[i] = static_cast<float>(xb[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 32767.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int16_t* q = a.q.data() + m * k + b * kBlock;
+      int sums[2] = {0, 0};
+      for (int i = 0; i < kBlock; ++i) {
+        q[i] = static_cast<int16_t>(std::nearbyint(v[i] * id));
+        sums[i / 16] += q[i];
+      }
+      a.scale[m * nb + b] = d;
+      a.half_sums[(m * nb + b) * 2] = d * sums[0];
+      a.half_sums[(m * nb + b) * 2 + 1] = d * sums[1];
+    }
+  }
+  return a;
+}
+
+inline float half_to_float(at::Half h) { return static_cast<float>(h); }
+
+#ifdef TWOSTEP_AVX2
+
+// The 32 codes of one block, in weight order: unsigned for 4-6 bits, signed bytes for 8.
+template <int BITS>
+inline __m256i decode_block(const uint8_t* qs, const uint8_t* qh) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble));
+    if constexpr (BITS == 5) {
+      uint32_t h;
+      std::memcpy(&h, qh, 4);
+      __m256i hv = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(h)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      hv = _mm256_and_si256(hv, _mm256_set1_epi8(1));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(hv, 4));
+    } else if constexpr (BITS == 6) {
+      uint64_t h;
+      std::memcpy(&h, qh, 8);
+      __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(static_cast<long long>(h)),
+                                     _mm256_setr_epi64x(0, 2, 4, 6));
+      hv = _mm256_and_si256(hv, _mm256_set1_epi8(3));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(hv, 4));
+    }
+    return u;
+  }
+}
+
+// int16 pairs -> 8 int32 lanes, lane l = a[2l] b[2l] + a[2l+1] b[2l+1]
+inline __m256i madd16(__m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(a, b);
+#endif
+}
+
+// A block's 32 codes as two vectors of 16 int16 (weights 0-15, 16-31).
+template <int BITS>
+inline void widen_block(const uint8_t* qs, const uint8_t* qh, __m256i& lo, __m256i& hi) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
+  } else if constexpr (BITS == 8) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else {
+    const __m256i u = decode_block<BITS>(qs, qh);
+    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+  }
+}
+
+inline __m256i load16(const int16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float fp16(const at::Half* h, int64_t i) {
+  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(h)[i]);
+}
+
+// sum_i mins[i] * sums[i] over a row's groups (a format's min term), 8 groups at a time
+inline float min_term(const at::Half* mins, const float* sums, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g)));
+    acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums + g), acc);
+  }
+  float total = hsum(acc);
+  for (; g < groups; ++g) total += fp16(mins, g) * sums[g];
+  return total;
+}
+
+// One weight row against M activation rows. The zero point is subtracted from the codes (shared
+// by the M rows); a min per group adds min * (sum of the group's activations) after the loop.
+template <int BITS, int M>
+void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* result) {
+  const int64_t nb = p.k / kBlock, groups = p.groups_row();
+  const uint8_t* qs = p.qs + n * p.qs_row();
+  const uint8_t* qh = p.qh ? p.qh + n * p.qh_row() : nullptr;
+  const at::Half* scales = p.scales + n * groups;
+  const int16_t* xq = a.q.data();
+  const float* xd = a.scale.data();
+  const bool centred = BITS != 8 && p.zero != 0;
+  const __m256i zero = _mm256_set1_epi16(static_cast<int16_t>(p.zero));
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  auto codes = [&](int64_t b, __m256i& lo, __m256i& hi) {
+    widen_block<BITS>(qs + b * qs_bytes(BITS), qh ? qh + b * qh_bytes(BITS) : nullptr, lo, hi);
+    if (centred) {
+      lo = _mm256_sub_epi16(lo, zero);
+      hi = _mm256_sub_epi16(hi, zero);
+    }
+  };
+  if (p.group == 16) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i lo, hi;
+      codes(b, lo, hi);
+      const __m256 d0 = _mm256_set1_ps(fp16(scales, 2 * b)), d1 = _mm256_set1_ps(fp16(scales, 2 * b + 1));
+      for (int m = 0; m < M; ++m) {
+        const int16_t* x = xq + m * p.k + b * kBlock;
+        const __m256 s = _mm256_set1_ps(xd[m * nb + b]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd16(lo, load16(x))), _mm256_mul_ps(d0, s), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd16(hi, load16(x + 16))), _mm256_mul_ps(d1, s), acc[m]);
+      }
+    }
+  } else if (p.group == kBlock) {
+    // the common case (GGUF's 32-weight types): a scale per block, two blocks per iteration with
+    // their own accumulators so the multiply-adds do not wait on each other
+    __m256 acc2[M];
+    for (int m = 0; m < M; ++m) acc2[m] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      __m256i lo0, hi0, lo1, hi1;
+      codes(b, lo0, hi0);
+      codes(b + 1, lo1, hi1);
+      const __m256 d0 = _mm256_set1_ps(fp16(scales, b)), d1 = _mm256_set1_ps(fp16(scales, b + 1));
+      for (int m = 0; m < M; ++m) {
+        const int16_t* x = xq + m * p.k + b * kBlock;
+        const __m256i p0 = _mm256_add_epi32(madd16(lo0, load16(x)), madd16(hi0, load16(x + 16)));
+        const __m256i p1 = _mm256_add_epi32(madd16(lo1, load16(x + 32)), madd16(hi1, load16(x + 48)));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d0, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
+        acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, _mm256_set1_ps(xd[m * nb + b + 1])),
+                                  acc2[m]);
+      }
+    }
+    for (; b < nb; ++b) {
+      __m256i lo, hi;
+      codes(b, lo, hi);
+      const __m256 d = _mm256_set1_ps(fp16(scales, b));
+      for (int m = 0; m < M; ++m) {
+        const int16_t* x = xq + m * p.k + b * kBlock;
+        const __m256i dp = _mm256_add_epi32(madd16(lo, load16(x)), madd16(hi, load16(x + 16)));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_add_ps(acc[m], acc2[m]);
+  } else {
+    const int64_t per_group = p.group / kBlock;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 d = _mm256_set1_ps(fp16(scales, g));
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        __m256i lo, hi;
+        codes(b, lo, hi);
+        for (int m = 0; m < M; ++m) {
+          const int16_t* x = xq + m * p.k + b * kBlock;
+          const __m256i dp = _mm256_add_epi32(madd16(lo, load16(x)), madd16(hi, load16(x + 16)));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_mul_ps(d, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    result[m] = hsum(acc[m]);
+    if (p.mins) result[m] += min_term(p.mins + n * groups, a.group_sums.data() + m * groups, groups);
+  }
+}
+
+// w = scale * code + offset for one block, 32 floats
+template <int BITS>
+inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, float o0, float d1, float o1,
+                             float* out) {
+  const __m256i w = decode_block<BITS>(qs, qh);
+  const __m128i halves[2] = {_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)};
+  for (int c = 0; c < 4; ++c) {
+    const __m128i bytes = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
+    const __m256i ints = BITS == 8 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    const bool second = c >= 2;
+    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(second ? d1 : d0),
+                                     _mm256_set1_ps(second ? o1 : o0));
+    _mm256_storeu_ps(out + 8 * c, v);
+  }
+}
+
+const char* kPath =
+#if defined(__AVXVNNI__)
+    "avx-vnni";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    "avx512-vnni";
+#else
+    "avx2";
+#endif
+
+#else  // plain C++
+
+template <int BITS>
+inline void decode_codes(const uint8_t* qs, const uint8_t* qh, int* codes) {
+  for (int i = 0; i < kBlock; ++i) {
+    if constexpr (BITS == 8) {
+      codes[i] = static_cast<int8_t>(qs[i]);
+    } else {
+      int q = i < 16 ? (qs[i] & 0xF) : (qs[i - 16] >> 4);
+      if constexpr (BITS == 5) q |= ((qh[i % 4] >> (i / 4)) & 1) << 4;
+      if constexpr (BITS == 6) q |= ((qh[i % 8] >> (2 * (i / 8))) & 3) << 4;
+      codes[i] = q;
+    }
+  }
+}
+
+template <int BITS, int M>
+void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* result) {
+  const int64_t k = p.k, nb = k / kBlock;
+  const uint8_t* qs = p.qs + n * p.qs_row();
+  const uint8_t* qh = p.qh ? p.qh + n * p.qh_row() : nullptr;
+  const at::Half* scales = p.scales + n * p.groups_row();
+  const at::Half* mins = p.mins ? p.mins + n * p.groups_row() : nullptr;
+  for (int m = 0; m < M; ++m) result[m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int codes[kBlock];
+    decode_codes<BITS>(qs + b * qs_bytes(BITS), qh ? qh + b * qh_bytes(BITS) : nullptr, codes);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = (b * kBlock + half * 16) / p.group;
+      const float d = half_to_float(scales[g]);
+      const float o = (mins ? half_to_float(mins[g]) : 0.f) - p.zero * d;
+      for (int m = 0; m < M; ++m) {
+        const int16_t* x = a.q.data() + m * k + b * kBlock + half * 16;
+        int dot = 0;
+        for (int i = 0; i < 16; ++i) dot += codes[half * 16 + i] * x[i];
+        result[m] += d * a.scale[m * nb + b] * dot + o * a.half_sums[(m * nb + b) * 2 + half];
+      }
+    }
+  }
+}
+
+template <int BITS>
+inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, float o0, float d1, float o1,
+                             float* out) {
+  int codes[kBlock];
+  decode_codes<BITS>(qs, qh, codes);
+  for (int i = 0; i < kBlock; ++i) out[i] = i < 16 ? d0 * codes[i] + o0 : d1 * codes[i] + o1;
+}
+
+const char* kPath = "scalar";
+
+#endif
+
+Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(k % kBlock == 0 && (group == 16 || group % kBlock == 0) && k % group == 0, "bad k / group");
+  TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "bad planes");
+  TORCH_CHECK((bits == 5 || bits == 6) == (qh.has_value() && qh->defined()), "qh plane mismatch");
+  Planes p{reinterpret_cast<const uint8_t*>(qs.data_ptr()),
+           qh.has_value() && qh->defined() ? qh->data_ptr<uint8_t>() : nullptr,
+           scales.data_ptr<at::Half>(),
+           mins.has_value() && mins->defined() ? mins->data_ptr<at::Half>() : nullptr,
+           k, static_cast<int>(group), static_cast<int>(zero), static_cast<int>(bits)};
+  return p;
+}
+
+template <int BITS, int M>
+void gemv_rows(const Planes& p, int64_t n, const QuantizedActivations& a, float* out, int64_t out_stride) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float r[M];
+    for (int64_t row = begin; row < end; ++row) {
+      row_dot<BITS, M>(p, row, a, r);
+      for (int m = 0; m < M; ++m) out[m * out_stride + row] = r[m];
+    }
+  });
+}
+
+template <int BITS>
+void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, float* out, int64_t stride) {
+  switch (m) {
+    case 1: return gemv_rows<BITS, 1>(p, n, a, out, stride);
+    case 2: return gemv_rows<BITS, 2>(p, n, a, out, stride);
+    case 3: return gemv_rows<BITS, 3>(p, n, a, out, stride);
+    case 4: return gemv_rows<BITS, 4>(p, n, a, out, stride);
+    case 5: return gemv_rows<BITS, 5>(p, n, a, out, stride);
+    case 6: return gemv_rows<BITS, 6>(p, n, a, out, stride);
+    case 7: return gemv_rows<BITS, 7>(p, n, a, out, stride);
+    case 8: return gemv_rows<BITS, 8>(p, n, a, out, stride);
+    default: TORCH_CHECK(false, "gemv takes 1 to 8 rows");
+  }
+}
+
+}  // namespace
+
+// out[m, :n] = x[m] . w^T for x [M <= 8, k]; out is float32 [M, >= n] with unit column stride.
+void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.size(0) == x.size(0), "out must be float32 [M, n]");
+  const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
+  QuantizedActivations a;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_activations", [&] {
+    a = quantize_activations<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0));
+  });
+  if (p.mins) sum_groups(a, m, k, group);
+  float* o = out.data_ptr<float>();
+  switch (bits) {
+    case 4: return gemv_bits<4>(p, n, m, a, o, out.stride(0));
+    case 5: return gemv_bits<5>(p, n, m, a, o, out.stride(0));
+    case 6: return gemv_bits<6>(p, n, m, a, o, out.stride(0));
+    default: return gemv_bits<8>(p, n, m, a, o, out.stride(0));
+  }
+}
+
+template <int BITS, typename scalar_t>
+void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
+  const int64_t k = p.k, nb = k / kBlock;
+  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+    float buffer[kBlock];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = ids[r];
+      const uint8_t* qs = p.qs + n * p.qs_row();
+      const uint8_t* qh = p.qh ? p.qh + n * p.qh_row() : nullptr;
+      const at::Half* scales = p.scales + n * p.groups_row();
+      const at::Half* mins = p.mins ? p.mins + n * p.groups_row() : nullptr;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g0 = (b * kBlock) / p.group, g1 = (b * kBlock + 16) / p.group;
+        const float d0 = half_to_float(scales[g0]), d1 = half_to_float(scales[g1]);
+        const float o0 = (mins ? half_to_float(mins[g0]) : 0.f) - p.zero * d0;
+        const float o1 = (mins ? half_to_float(mins[g1]) : 0.f) - p.zero * d1;
+        scalar_t* dst = out + r * k + b * kBlock;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          dequantize_block<BITS>(qs + b * qs_bytes(BITS), qh ? qh + b * qh_bytes(BITS) : nullptr, d0, o0, d1, o1, dst);
+        } else {
+          dequantize_block<BITS>(qs + b * qs_bytes(BITS), qh ? qh + b * qh_bytes(BITS) : nullptr, d0, o0, d1, o1,
+                                 buffer);
+          for (int i = 0; i < kBlock; ++i) dst[i] = static_cast<scalar_t>(buffer[i]);
+        }
+      }
+    }
+  });
+}
+
+// out[r] = w[ids[r]] for each id; out [len(ids), k] float32, bf16 or fp16, contiguous.
+void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
+                     const at::Tensor& ids, at::Tensor& out) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && out.is_contiguous(), "bad ids / out");
+  const int64_t k = out.size(1), count = ids.numel();
+  TORCH_CHECK(out.size(0) == count, "out rows != ids");
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < qs.size(0), "row id out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    switch (bits) {
+      case 4: return dequantize_into<4, scalar_t>(p, id, count, o);
+      case 5: return dequantize_into<5, scalar_t>(p, id, count, o);
+      case 6: return dequantize_into<6, scalar_t>(p, id, count, o);
+      default: return dequantize_into<8, scalar_t>(p, id, count, o);
+    }
+  });
+}
+
+std::string path() { return kPath; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "quantized matrix-vector product for 1-8 rows into a float32 out");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
+  m.def("path", &path, "the instruction set this build uses");
+}

@@ -1,0 +1,125 @@
+"""GGUF's quantized block types, rearranged into twostep's packed layout (quantization/packed.py).
+
+Each decoder takes a tensor's raw blocks and returns its integer codes in weight order plus one
+scale (and min) per group; `pack` lays them out for the kernels. No weight is dequantized: the codes
+are GGUF's own, and so are the scales, except that K-quants' super-block scale times sub-block scale
+is rounded to float16 (see packed.py). The layouts follow ggml-quants.c (and gguf.quants, the
+reference the tests compare against).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGML_QUANT_SIZES
+
+from twostep.quantization.packed import PackedFormat, PackedWeight, pack
+
+QK_K = 256
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """16 bytes per block of 32 -> codes 0..15: low nibbles are weights 0-15, high ones 16-31."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """4 bytes per block, little-endian: bit i is weight i's fifth bit."""
+    words = np.ascontiguousarray(qh).view("<u4")
+    return ((words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None
+
+
+def _q4_0(b):
+    return _nibbles32(b[:, 2:]), _f16(b[:, :2]), None
+
+
+def _q4_1(b):
+    return _nibbles32(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b):
+    return _nibbles32(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4), _f16(b[:, :2]), None
+
+
+def _q5_1(b):
+    return _nibbles32(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes -> 8 six-bit sub-block scales and 8 six-bit mins."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes -> 256 codes: each 32 bytes carry two sub-blocks, low nibbles first."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0xF).reshape(-1, QK_K)
+
+
+def _q4_k(b):
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    return _k_low_nibbles(b[:, 16:]), d * sc, -(dmin * mn)
+
+
+def _q5_k(b):
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    codes = _k_low_nibbles(b[:, 48:]) | ((qh & 1).reshape(-1, QK_K) << 4)
+    return codes, d * sc, -(dmin * mn)
+
+
+def _q6_k(b):
+    ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = (ql & 0xF).reshape(-1, QK_K) | ((qh & 3).reshape(-1, QK_K) << 4)
+    sub_scales = b[:, 192:208].view(np.int8).astype(np.float32)
+    return codes, _f16(b[:, 208:210]) * sub_scales, None
+
+
+# type -> (decoder, bits, weights per scale, has mins)
+_DECODERS = {
+    QType.Q8_0: (_q8_0, 8, 32, False),
+    QType.Q4_0: (_q4_0, 4, 32, False),
+    QType.Q4_1: (_q4_1, 4, 32, True),
+    QType.Q5_0: (_q5_0, 5, 32, False),
+    QType.Q5_1: (_q5_1, 5, 32, True),
+    QType.Q4_K: (_q4_k, 4, 32, True),
+    QType.Q5_K: (_q5_k, 5, 32, True),
+    QType.Q6_K: (_q6_k, 6, 16, False),
+}
+PACKED_TYPES = tuple(_DECODERS)
+
+
+def gguf_bits_per_weight(qtype: QType) -> float:
+    """What a weight of this type costs in the file: Q4_0 4.5, Q4_K 4.5, Q6_K 6.5625, Q8_0 8.5."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return 8 * size / block
+
+
+def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
+    """A GGUF tensor's bytes (rows of blocks) as a PackedWeight [n, k]."""
+    decoder, bits, group, has_min = _DECODERS[qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"{qtype.name} rows of {k} weights are not whole blocks of {block}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, size)
+    if blocks.shape[0] != n * k // block:
+        raise ValueError(f"{qtype.name} tensor [{n}, {k}] has {blocks.shape[0]} blocks, "
+                         f"expected {n * k // block}")
+    codes, scales, mins = decoder(blocks)
+    fmt = PackedFormat(bits, group, has_min, qtype.name)
+    return pack(codes.reshape(n, k), scales.reshape(n, -1),
+                None if mins is None else mins.reshape(n, -1), fmt)
