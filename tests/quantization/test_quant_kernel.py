@@ -1,0 +1,143 @@
+"""The quantized-weight kernel (twostep/kernels/quant_linear.cpp) and the packed layout against
+the gguf package's own dequantizer, then float32 math: every GGUF type twostep keeps packed and
+the formats --quantization makes, on edge shapes, through the SIMD build and the plain C++ one."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+
+from twostep import kernels
+from twostep.platforms.cpu.quant_linear import GEMV_MAX_ROWS, QuantizedLinearMethod
+from twostep.quantization.gguf_blocks import PACKED_TYPES, gguf_bits_per_weight, pack_gguf
+from twostep.quantization.packed import QuantizedWeight
+from twostep.quantization.quantize import quantize_weight
+
+# K-quants' sub-block scales are multiplied out into float16 (packed.py): a relative 2**-11 at most
+SCALE_ROUNDING = 2 ** -11
+# the matrix-vector kernel quantizes activations per block of 32 to int16 (a relative 2**-16 each)
+GEMV_RTOL = 2e-4
+
+
+def random_blocks(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random block bytes (any bit pattern is a valid block) with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    halves = lambda: rng.uniform(-0.02, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == QType.Q6_K:
+        raw[:, 208:210] = halves()
+    else:
+        raw[:, :2] = halves()
+        if qtype in (QType.Q4_1, QType.Q5_1, QType.Q4_K, QType.Q5_K):
+            raw[:, 2:4] = halves()
+    return raw.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, qtype: QType, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(n, k)
+
+
+def kernel_builds():
+    simd, portable = kernels.quant_linear(), kernels.quant_linear_portable()
+    if simd is None or portable is None:
+        pytest.skip("the quantized kernel needs g++ and ninja")
+    return {"simd": simd, "portable": portable}
+
+
+def shapes(qtype):
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    # K not a multiple of 256 where the type allows it; N odd, 1 and large
+    return [(1, block), (37, 3 * block), (129, 96 if block == 32 else 512), (8, 4864 if block == 32 else 4864 // 256 * 256)]
+
+
+CASES = [(q, n, k) for q in PACKED_TYPES for n, k in shapes(q)]
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
+def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
+    raw = random_blocks(qtype, n, k, seed=n + k)
+    packed = pack_gguf(raw, qtype, n, k)
+    ref = reference(raw, qtype, n, k)
+    exact = qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
+    tol = 0 if exact else SCALE_ROUNDING * ref.abs().max().item()
+    torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=tol)
+    assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + 0.5
+
+
+@pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
+def test_matmul_matches_float32_math(qtype, n, k, rows, build):
+    kernel = kernel_builds()[build]
+    raw = random_blocks(qtype, n, k, seed=3 * n + k)
+    weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    expected = F.linear(x, weight.dequantize())
+    got = QuantizedLinearMethod(kernel).matmul(weight, x)
+    scale = expected.abs().max().item()
+    # rows beyond GEMV_MAX_ROWS are dequantized tiles through F.linear: float32 rounding only
+    atol = (GEMV_RTOL if rows <= GEMV_MAX_ROWS else 1e-6) * scale
+    torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+    # and the packed weights are gguf's: within the K-quants' scale rounding of its dequantizer
+    direct = F.linear(x, reference(raw, qtype, n, k))
+    torch.testing.assert_close(got, direct, rtol=0, atol=atol + 4 * SCALE_ROUNDING * scale)
+
+
+@pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_dequantized_for_an_embedding(build, dtype):
+    kernel = kernel_builds()[build]
+    raw = random_blocks(QType.Q8_0, 50, 64, seed=7)
+    weight = QuantizedWeight((pack_gguf(raw, QType.Q8_0, 50, 64),))
+    ids = torch.tensor([[0, 49, 7], [7, 7, 3]])
+    got = QuantizedLinearMethod(kernel).embed(weight, ids, dtype)
+    assert got.shape == (2, 3, 64) and got.dtype == dtype
+    torch.testing.assert_close(got, weight.dequantize(dtype)[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("method,bits", [("int8", 8.5), ("int4", 5.0)])
+def test_load_time_formats(build, method, bits):
+    kernel = kernel_builds()[build]
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 4864, generator=g) * 0.05
+    packed = quantize_weight(w, method)
+    assert packed.nbytes * 8 / w.numel() <= bits
+    step = (w.abs().amax(dim=1, keepdim=True) / 127) if method == "int8" else None
+    error = (packed.dequantize() - w).abs()
+    if method == "int8":        # round to nearest: at most half a step per channel
+        assert (error <= step / 2 * 1.01).all()
+    else:                       # 16 levels per group of 32: half a step of (max - min) / 15
+        groups = w.view(96, -1, 32)
+        half_step = ((groups.amax(-1) - groups.amin(-1)) / 30).repeat_interleave(32, dim=1)
+        assert (error <= half_step * 1.01 + 1e-3 * w.abs().max()).all()
+    x = torch.randn(2, 4864, generator=g)
+    expected = F.linear(x, packed.dequantize())
+    got = QuantizedLinearMethod(kernel).matmul(QuantizedWeight((packed,)), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
+
+
+def test_stacked_parts_of_different_formats():
+    """A fused projection whose parts differ in format (a Q4_K_M file's Q6_K attn_v) runs part by part."""
+    kernel = kernel_builds()["simd"]
+    parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256)
+             for q, n in ((QType.Q4_K, 64), (QType.Q4_K, 16), (QType.Q6_K, 16))]
+    weight = QuantizedWeight.stack(parts)
+    assert weight.format_names == ["Q4_K", "Q6_K"] and weight.n == 96
+    x = torch.randn(3, 256)
+    expected = F.linear(x, torch.cat([p.dequantize() for p in parts]))
+    for rows in (x[:1], x):
+        got = QuantizedLinearMethod(kernel).matmul(weight, rows)
+        torch.testing.assert_close(got, expected[: rows.shape[0]], rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
+
+
+def test_kernel_paths_are_named():
+    builds = kernel_builds()
+    assert builds["portable"].path() == "scalar"
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    if " avx2 " in flags and " fma " in flags and " f16c " in flags:
+        assert builds["simd"].path() in ("avx2", "avx-vnni", "avx512-vnni")
