@@ -141,3 +141,14 @@ def test_kernel_paths_are_named():
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
     if " avx2 " in flags and " fma " in flags and " f16c " in flags:
         assert builds["simd"].path() in ("avx2", "avx-vnni", "avx512-vnni")
+
+
+@pytest.mark.parametrize("qtype,bits", [(QType.Q4_0, 4.5), (QType.Q8_0, 8.5), (QType.Q4_1, 5.0),
+                                        (QType.Q4_K, 5.0), (QType.Q5_K, 6.0), (QType.Q6_K, 7.0)])
+def test_bytes_held_match_the_packed_layout(qtype, bits):
+    """What `twostep analyze` counts for a GGUF tensor is what pack_gguf really allocates."""
+    from twostep.quantization.gguf_blocks import held_bytes
+
+    n, k = 8, 512
+    raw = random_blocks(qtype, n, k, seed=1)
+    assert held_bytes(qtype, [k, n], raw.nbytes) == pack_gguf(raw, qtype, n, k).nbytes == n * k * bits / 8

@@ -100,13 +100,19 @@ def _gguf_hf_config(meta: dict, arch: str, tensors: dict) -> dict:
 
 
 def _gguf_stored_format(reader) -> NumberFormat:
-    """A file of one float type is that type. Otherwise the file's own bytes per weight, block
-    scales included, averaged over all its tensors, named after the type of most of the weights."""
+    """A file of one float type is that type. Otherwise the bytes per weight twostep reads when it
+    runs the file, averaged over all its tensors and named after the type of most of the weights:
+    the file's own (block scales included: Q4_0 4.5 bits, Q8_0 8.5, Q4_1 5.0), except for the
+    K-quants, whose sub-block scales the packed layout multiplies out into one float16 per group
+    (Q4_K 4.5 -> 5.0 bits, Q5_K 5.5 -> 6.0, Q6_K 6.5625 -> 7.0; quantization/packed.py)."""
+    from twostep.quantization.gguf_blocks import held_bytes
+
     elements: dict[str, int] = {}
     for t in reader.tensors:
         elements[t.tensor_type.name] = elements.get(t.tensor_type.name, 0) + int(t.n_elements)
     if len(elements) == 1 and next(iter(elements)) in _GGUF_FLOAT_TYPES:
         return find_format(_GGUF_FLOAT_TYPES[next(iter(elements))])
-    total_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    total_bytes = sum(held_bytes(t.tensor_type, [int(d) for d in t.shape], int(t.n_bytes))
+                      for t in reader.tensors)
     main_type = max(elements, key=elements.get)
     return NumberFormat(f"gguf {main_type}", total_bytes / sum(elements.values()))

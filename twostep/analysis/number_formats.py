@@ -21,7 +21,17 @@ WEIGHT_FORMATS = (
     # bytes, Q4_0 in 18, so their b is a little over 1 and 0.5.
     NumberFormat("q8_0", 34 / 32),
     NumberFormat("q4_0", 18 / 32),
+    NumberFormat("q4_1", 20 / 32),
+    NumberFormat("q5_0", 22 / 32),
+    NumberFormat("q5_1", 24 / 32),
+    # K-quants as twostep holds them (one float16 scale, and min, per group: quantization/packed.py);
+    # in the file Q4_K is 4.5 bits, Q5_K 5.5, Q6_K 6.5625
+    NumberFormat("q4_k", 20 / 32),
+    NumberFormat("q5_k", 24 / 32),
+    NumberFormat("q6_k", 14 / 16),
     NumberFormat("int4", 0.5),
+    # --quantization int4: 4-bit codes with a float16 scale and min per 32 weights
+    NumberFormat("int4_g32", 20 / 32, ("twostep-int4",)),
 )
 
 # K and V are stored per value, never in blocks with shared scales, in the formats engines offer.

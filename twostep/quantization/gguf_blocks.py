@@ -109,6 +109,15 @@ def gguf_bits_per_weight(qtype: QType) -> float:
     return 8 * size / block
 
 
+def held_bytes(qtype: QType, ggml_shape: list[int], file_bytes: int) -> float:
+    """The bytes a tensor takes once loaded: packed matrices in twostep's layout, the rest as stored."""
+    if qtype not in _DECODERS or len(ggml_shape) != 2:
+        return file_bytes
+    _, bits, group, has_min = _DECODERS[qtype]
+    k, n = ggml_shape
+    return n * k * PackedFormat(bits, group, has_min, qtype.name).bits_per_weight(k) / 8
+
+
 def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     """A GGUF tensor's bytes (rows of blocks) as a PackedWeight [n, k]."""
     decoder, bits, group, has_min = _DECODERS[qtype]
