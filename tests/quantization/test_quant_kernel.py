@@ -69,7 +69,7 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
 def test_matmul_matches_float32_math(qtype, n, k, rows, build):
     kernel = kernel_builds()[build]

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
-GEMV_MAX_ROWS = 4          # inputs with at most this many rows take the matrix-vector kernel (measured)
+GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
+GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
 
@@ -43,10 +44,12 @@ class QuantizedLinearMethod:
 
     def _gemv(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-        start = 0
-        for part in weight.parts:
-            self.kernel.gemv(x, *part.planes(), *_format_args(part), out[:, start:start + part.n])
-            start += part.n
+        for first in range(0, x.shape[0], GEMV_ROWS):
+            rows = slice(first, first + GEMV_ROWS)
+            start = 0
+            for part in weight.parts:
+                self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows, start:start + part.n])
+                start += part.n
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def _tiled(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
