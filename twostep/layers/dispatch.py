@@ -51,7 +51,8 @@ def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) ->
         for m in layers:
             key = id(m.quantized)
             if key not in dequantized:
-                dequantized[key] = nn.Parameter(m.quantized.dequantize(dtype), requires_grad=False)
+                weight = m.quantized.dequantize(dtype).to(platform.device)
+                dequantized[key] = nn.Parameter(weight, requires_grad=False)
             m.weight, m.quantized = dequantized[key], None
         return [f"{len(layers)} quantized weights dequantized to {dtype} (no {platform.name} kernel)"]
     formats: Counter[str] = Counter()
