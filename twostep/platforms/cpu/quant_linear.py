@@ -29,12 +29,20 @@ class QuantizedLinearMethod:
     def process_weights(self, layer) -> None:
         layer.weight = None
         layer.plain_bias = None if layer.bias is None else layer.bias.detach()
+        parts = layer.quantized.parts
+        # the kernel's arguments for a one-part weight, so a decode step's call is one C++ call
+        layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(layer.quantized, x.reshape(-1, x.shape[-1]))
+        if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous():
+            y = torch.empty(x.shape[0], layer.out_features)
+            self.kernel.gemv(x, *layer.gemv_args, y)          # batch-1 decode: the short way
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        else:
+            y = self.matmul(layer.quantized, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         if layer.plain_bias is not None:
             y = y + layer.plain_bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""

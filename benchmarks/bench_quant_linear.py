@@ -1,0 +1,81 @@
+"""The linears of one decode step in twostep's packed quantized formats, alone: the matrix-vector
+kernel's weight stream against a plain read of the same number of bytes.
+
+    .venv/bin/python benchmarks/bench_quant_linear.py [--formats Q4_0 Q8_0 ...] [--rows 1 4 8] [--reps 9]
+
+All 97 linears of the Qwen2.5-0.5B shape (24 layers x qkv, o, gate_up, down, and the 151,936 x 896
+lm_head), random codes and scales in each format's packed layout (quantization/packed.py), each called
+once per round with an input of `rows` rows, as a decode step of that batch would. The kernel and
+the read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
+GB/s of packed weights and the share of the read's rate, medians.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from twostep.kernels import quant_linear
+from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod
+from twostep.quantization.packed import PackedFormat, QuantizedWeight, pack
+
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]   # qkv, o, gate_up, down
+LAYERS, LM_HEAD = 24, (151936, 896)
+# name -> (bits, group, has_min); the K-quants' 16/32-groups need K % 256 == 0 in GGUF, but the
+# packed layout does not, so they run on every shape here
+FORMATS = {
+    "Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (5, 32, False), "Q8_0": (8, 32, False),
+    "Q4_K": (4, 32, True), "Q6_K": (6, 16, False), "int8": (8, 0, False),
+}
+
+
+def random_weight(n: int, k: int, fmt: PackedFormat, rng: np.random.Generator) -> QuantizedWeight:
+    if fmt.bits == 8:
+        codes = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    else:
+        codes = rng.integers(0, 1 << fmt.bits, (n, k), dtype=np.uint8)
+    groups = k // fmt.group
+    scales = rng.uniform(0.001, 0.01, (n, groups)).astype(np.float32)
+    mins = -rng.uniform(0.0, 0.05, (n, groups)).astype(np.float32) if fmt.has_min else None
+    return QuantizedWeight((pack(codes, scales, mins, fmt),))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", nargs="+", default=["Q4_0", "Q8_0", "Q4_K", "Q6_K"], choices=list(FORMATS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    kernel = quant_linear()
+    if kernel is None:
+        raise SystemExit("the quantized kernel could not be built here (needs g++ and ninja)")
+    method = QuantizedLinearMethod(kernel)
+    rng = np.random.default_rng(0)
+    shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
+    print(f"{len(shapes)} linears of the Qwen2.5-0.5B shape; kernel path: {kernel.path()}")
+    for name in args.formats:
+        bits, group, has_min = FORMATS[name]
+        weights = [random_weight(n, k, PackedFormat(bits, group or k, has_min, name), rng) for n, k in shapes]
+        nbytes = sum(w.nbytes for w in weights)
+        flat = torch.ones(nbytes // 4)            # a plain read of as many bytes
+        print(f"{name}: {nbytes / 1e6:.0f} MB packed ({8 * nbytes / sum(n * k for n, k in shapes):.2f} bits per weight)")
+        for rows in args.rows:
+            x = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+            paths = {"kernel": lambda: [method.matmul(w, x[w.k]) for w in weights], "plain read": flat.sum}
+            times = {p: [] for p in paths}
+            for _ in range(args.reps):
+                for p, fn in paths.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[p].append(time.perf_counter() - start)
+            kernel_s, read_s = statistics.median(times["kernel"]), statistics.median(times["plain read"])
+            print(f"  rows {rows}: kernel {kernel_s * 1e3:6.1f} ms {nbytes / kernel_s / 1e9:5.1f} GB/s | "
+                  f"read {read_s * 1e3:6.1f} ms {nbytes / read_s / 1e9:5.1f} GB/s | kernel/read "
+                  f"{read_s / kernel_s:.0%}")
+
+
+if __name__ == "__main__":
+    main()
