@@ -79,6 +79,7 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     ckpt.tensors = {}
     for line in apply_platform(model, spec.platform, spec.dtype):
         logger.info(line)
+    spec.platform.release_memory()
     held = weight_bytes(model)
     logger.info("weights: %.1f MiB for %.1fM weights (%.2f bits per weight)", held / 2**20, weights / 1e6,
                 8 * held / max(weights, 1))

@@ -28,6 +28,10 @@ class Platform:
         None: such weights are dequantized at load to the model's dtype."""
         return None
 
+    def release_memory(self) -> None:
+        """Give memory freed while loading back to the operating system, where that needs asking."""
+        return None
+
     def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
         """This platform's implementation of a CustomOp (layers/custom_op.py), or None: native."""
         return None
