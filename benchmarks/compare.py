@@ -374,12 +374,21 @@ def hf_static_batches(hf: HF, reqs, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
+def default_dtype() -> str:
+    """The dtype twostep's --dtype auto takes on this machine, by name (HF needs a concrete one)."""
+    from twostep.platforms import get_platform, resolve_device
+
+    return str(get_platform(resolve_device("cpu")).default_dtype()).removeprefix("torch.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=["phases", "throughput"], default="throughput")
     ap.add_argument("--model", default=None,
                     help=f"phases: default {QWEN_SHAPE}; throughput: default the packaged model")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto: what twostep's platform computes fastest here (bfloat16 where the CPU "
+                         "has it natively, else float32), for every engine alike")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--peers", nargs="*", default=["HF", "llama.cpp"], choices=["HF", "llama.cpp"])
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -396,6 +405,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.gen < 2 or args.reps < 1:
         ap.error("--gen must be >= 2 (decode is timed after the first token) and --reps >= 1")
+    if args.dtype == "auto":
+        args.dtype = default_dtype()
     result = run_phases(args) if args.mode == "phases" else run_throughput(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

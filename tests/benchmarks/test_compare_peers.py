@@ -119,3 +119,9 @@ def test_decode_rate_counts_tokens_after_every_first_token():
     assert compare.decode_rate([[1.0, 1.5, 3.0, 4.0], [2.0, 3.0, 4.0]]) == pytest.approx(2.0)
     # one timestamp list shared by a batch of 4 (HF): 3 steps in 3 s -> 4 tokens/s
     assert compare.decode_rate([[0.0, 1.0, 2.0, 3.0]] * 4) == pytest.approx(4.0)
+
+
+def test_default_dtype_is_what_the_platform_computes_fastest():
+    from twostep.platforms.cpu import has_native_bf16
+
+    assert compare.default_dtype() == ("bfloat16" if has_native_bf16() else "float32")
