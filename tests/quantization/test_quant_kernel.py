@@ -3,6 +3,8 @@ the gguf package's own dequantizer, then float32 math: every GGUF type twostep k
 the formats --quantization makes, on edge shapes, through the SIMD build and the plain C++ one."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -138,7 +140,7 @@ def test_stacked_parts_of_different_formats():
 def test_kernel_paths_are_named():
     builds = kernel_builds()
     assert builds["portable"].path() == "scalar"
-    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx2 " in flags and " fma " in flags and " f16c " in flags:
         assert builds["simd"].path() in ("avx2", "avx-vnni", "avx512-vnni")
 

@@ -1,8 +1,8 @@
 """Configuration values, at the bottom of the layers: the engine's settings (vLLM's names), the
 speculative-decoding config and the KV-cache formats."""
-from twostep.config.engine import DTYPES, QUANTIZATION_METHODS, EngineConfig
+from twostep.config.engine import DTYPES, QUANTIZATION_METHODS, EngineConfig, check_quantization
 from twostep.config.kv_cache_dtype import KV_FORMATS, SCALE_DTYPE, KVFormat, kv_format
 from twostep.config.speculative import SpeculativeConfig
 
-__all__ = ["DTYPES", "QUANTIZATION_METHODS", "EngineConfig", "KV_FORMATS", "SCALE_DTYPE", "KVFormat", "kv_format",
+__all__ = ["DTYPES", "QUANTIZATION_METHODS", "EngineConfig", "check_quantization", "KV_FORMATS", "SCALE_DTYPE", "KVFormat", "kv_format",
            "SpeculativeConfig"]

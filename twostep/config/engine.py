@@ -10,6 +10,14 @@ from twostep.config.speculative import SpeculativeConfig
 
 # --quantization (vLLM's flag): kept here with the other choices the config checks
 QUANTIZATION_METHODS = ("none", "int8", "int4")
+
+
+def check_quantization(method: str | None) -> None:
+    """None (the checkpoint's own format) or one of QUANTIZATION_METHODS."""
+    if method not in (None, *QUANTIZATION_METHODS):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,9 +58,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
-                             f"got {self.quantization!r}")
+        check_quantization(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")

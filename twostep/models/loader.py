@@ -14,7 +14,7 @@ from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.models.weights import fuse_projections
 from twostep.quantization.packed import QuantizedWeight
-from twostep.config import QUANTIZATION_METHODS
+from twostep.config import check_quantization
 from twostep.quantization.quantize import can_quantize, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,7 @@ def _download_from_hub(repo_id: str) -> str:
 def load_checkpoint(path: str, dtype: torch.dtype, quantization: str | None = None) -> LoadedCheckpoint:
     """quantization: None keeps the checkpoint's format (a GGUF file's quantized types stay
     packed), "none" dequantizes a GGUF file at load, "int8" / "int4" quantize float linears."""
-    if quantization not in (None, *QUANTIZATION_METHODS):
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
+    check_quantization(quantization)
     if path.endswith(".gguf") and os.path.isfile(path):
         return _quantize(_load_gguf(path, dtype, keep_quantized=quantization != "none"), quantization)
     folder = Path(path)
