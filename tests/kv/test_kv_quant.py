@@ -132,9 +132,11 @@ def test_quantised_outputs_do_not_depend_on_scheduling(tiny_model_dir):
 # The default model in float32, 8 chat prompts, 64 greedy tokens, against the unquantised cache.
 # Measured (benchmarks: see README): int8 teacher-forced top-1 agreement 0.989, positional
 # agreement 0.74 (3/8 continuations identical: after a near-tie the texts part ways);
-# fp8_e4m3 0.960 / 0.39; fp8_e5m2 0.937 / 0.29.
+# fp8_e4m3 0.960 / 0.39; fp8_e5m2 0.937 / 0.29. Positional agreement moves with any last-bit
+# change upstream (an 8-bit code that sat on a rounding boundary flips): with the fused decode ops
+# (float32 within a few ulps, identical continuations with a float cache) int8 measured 0.56.
 SMOLLM_TEACHER_FORCED = {"int8": 0.98, "fp8_e4m3": 0.94, "fp8_e5m2": 0.91}
-SMOLLM_POSITIONAL = {"int8": 0.6}
+SMOLLM_POSITIONAL = {"int8": 0.5}
 # Next-token logits after each prompt (they span about +-38): measured worst |diff| int8 0.91,
 # fp8_e4m3 1.65, fp8_e5m2 3.91.
 SMOLLM_LOGIT_BOUND = {"int8": 1.5, "fp8_e4m3": 2.5, "fp8_e5m2": 5.0}

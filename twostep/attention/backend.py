@@ -4,7 +4,7 @@ common metadata once per step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -47,8 +47,12 @@ class HybridMetadata:
 
 
 class HybridBackend:
-    def __init__(self, prefill: PrefillAttention, decode: DecodeAttention) -> None:
+    def __init__(self, prefill: PrefillAttention, decode: DecodeAttention,
+                 write_values: Callable | None = None) -> None:
+        """write_values(values, k, v, slots): a platform's one-call K/V write for unquantized caches
+        (None: attention/kv_layer_cache.py's write_kv)."""
         self.prefill, self.decode = prefill, decode
+        self.write_values = write_values
 
     def build_metadata(self, common: AttentionMetadata) -> HybridMetadata:
         decode_rows = [i for i, d in enumerate(common.is_decode) if d]
@@ -58,7 +62,10 @@ class HybridBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVLayerCache,
                 metadata: HybridMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.common.slot_mapping)
+        if self.write_values is not None and kv_cache.scales is None:
+            self.write_values(kv_cache.values, k, v, metadata.common.slot_mapping)
+        else:
+            write_kv(kv_cache, k, v, metadata.common.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode is not None:
             self.decode.forward(q, kv_cache, metadata.decode, scale, out)

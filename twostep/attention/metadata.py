@@ -31,6 +31,7 @@ class DecodeRows:
 
     index: torch.Tensor              # [B, Q] flat positions
     valid: torch.Tensor | None       # [B * Q] which grid cells are real queries; None: all
+    whole: bool = False              # the batch is these rows, one query each, in order: index = arange
 
     @staticmethod
     def build(meta: AttentionMetadata, rows: list[int]) -> "DecodeRows":
@@ -43,10 +44,14 @@ class DecodeRows:
         if min(qlens) != max_q:
             valid = (torch.arange(max_q, device=device)[None, :]
                      < torch.tensor(qlens, device=device)[:, None]).reshape(-1)
-        return DecodeRows(index, valid)
+        whole = max_q == 1 and len(rows) == len(meta.query_lens)
+        return DecodeRows(index, valid, whole)
 
     def scatter(self, out: torch.Tensor, o: torch.Tensor) -> None:
         """Write per-query results o [B * Q, H, D] to the queries' rows of out, padding dropped."""
+        if self.whole:
+            out.copy_(o.reshape(out.shape))
+            return
         index = self.index.reshape(-1)
         if self.valid is not None:
             o, index = o[self.valid], index[self.valid]

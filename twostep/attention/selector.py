@@ -31,4 +31,5 @@ def get_attention_backend(name: str = "auto", platform: Platform | None = None,
     kernel = None
     if name != "reference":
         kernel = platform.paged_decode_attention(kv.storage or dtype, kv.quantized)
-    return HybridBackend(ReferencePrefill(), PagedDecode(kernel) if kernel else ReferenceDecode())
+    writer = platform.kv_cache_write(kv.storage or dtype, kv.quantized) if name != "reference" else None
+    return HybridBackend(ReferencePrefill(), PagedDecode(kernel) if kernel else ReferenceDecode(), writer)

@@ -1,12 +1,29 @@
-// The small per-layer ops of a decoder step as one call each: RMSNorm and rotary embedding. In a
-// batch-1 decode step each torch op costs microseconds of dispatch for a few KB of work, and these
-// two are chains of 5-12 ops per layer. Both round exactly where the PyTorch code they replace
-// rounds (layers/norm.py, layers/rotary.py): rotary is bit-identical to it; RMSNorm sums its squares
-// in another order (float32), so it may differ in the last bit of the float32 scale.
+// The small per-layer ops of a decoder step as one call each: RMSNorm (alone, or after the residual
+// add), rotary embedding (q and k in place), SiLU-and-multiply, and the K/V cache write. In a batch-1
+// decode step each torch op costs microseconds of dispatch for a few KB of work, and these are chains
+// of 3-12 ops per layer. They round where the PyTorch code they replace rounds (layers/norm.py,
+// layers/rotary.py, layers/activation.py): rotary and the cache write are bit-identical to it;
+// RMSNorm sums its squares in another order and SiLU's exp is a polynomial here, so those two may
+// differ from torch in the last bit of a float32 (the tests bound it).
+//
+// Each is registered as a torch custom op (torch.ops.twostep.*, so the profiler and torch.compile
+// see it) and also exposed to Python directly, which costs a microsecond less per call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TWOSTEP_AVX2 1
+#endif
 
 namespace {
 
@@ -17,51 +34,168 @@ inline float as_float(T x) { return static_cast<float>(x); }
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
 
-// out[t] = weight * T(x[t] / sqrt(mean(x[t]^2) + eps)), the normalisation in float32 (as HF).
-template <typename T>
-void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * dim;
-      float sum = 0.0f;
-      for (int64_t d = 0; d < dim; ++d) sum += as_float(xr[d]) * as_float(xr[d]);
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
-      T* o = out + r * dim;
-      for (int64_t d = 0; d < dim; ++d)
-        o[d] = round_to<T>(as_float(weight[d]) * as_float(round_to<T>(as_float(xr[d]) * inv)));
-    }
-  });
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_cpu() && weight.is_cpu(), "CPU tensors only");
+// out[t] = weight * T(x[t] / sqrt(mean(x[t]^2) + eps)), the normalisation in float32 (as HF).
+template <typename T>
+void rms_norm_row(const T* xr, const T* weight, T* o, int64_t dim, float eps) {
+  double sum = 0.0;                 // in double: the mean of the squares rounded once, as exact as torch's
+  for (int64_t d = 0; d < dim; ++d) sum += static_cast<double>(as_float(xr[d]) * as_float(xr[d]));
+  const float inv = 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(dim)) + eps);
+  for (int64_t d = 0; d < dim; ++d)
+    o[d] = round_to<T>(as_float(weight[d]) * as_float(round_to<T>(as_float(xr[d]) * inv)));
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
   TORCH_CHECK(x.dtype() == weight.dtype(), "x and weight must share a dtype");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) > 0 && x.size(-1) == weight.size(0),
               "weight must be [hidden] with x's last dimension");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  RECORD_FUNCTION("twostep::rms_norm", c10::ArrayRef<c10::IValue>({}));
+  check_norm(x, weight);
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = torch::empty_like(xc);
   const int64_t dim = weight.size(0), rows = xc.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            rows, dim, static_cast<float>(eps));
+    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * dim, wp, op + r * dim, dim, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += x in place (rounded to T, as torch's add), then the RMSNorm of the sum (vLLM's
+// fused_add_rms_norm): one pass over the row instead of an add and a norm.
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const torch::Tensor& weight,
+                           double eps) {
+  RECORD_FUNCTION("twostep::add_rms_norm", c10::ArrayRef<c10::IValue>({}));
+  check_norm(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.dtype() == x.dtype(),
+              "residual: contiguous, with x's shape and dtype");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t dim = weight.size(0), rows = xc.numel() / dim;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+    scalar_t *rp = residual.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* res = rp + r * dim;
+        for (int64_t d = 0; d < dim; ++d) res[d] = round_to<scalar_t>(as_float(xp[r * dim + d]) + as_float(res[d]));
+        rms_norm_row(res, wp, op + r * dim, dim, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// exp(x) for 8 floats: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf),
+// within 2 ulp of the exact value; saturates to 0 and inf outside [-88, 88].
+#ifdef TWOSTEP_AVX2
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// silu(g) = g / (1 + exp(-g)) in float32, rounded to T, times u (rounded to T): F.silu(g) * u.
+template <typename T>
+inline void silu_mul_scalar(const T* g, const T* u, T* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = as_float(g[i]);
+    o[i] = round_to<T>(as_float(round_to<T>(x / (1.0f + std::exp(-x)))) * as_float(u[i]));
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#ifdef TWOSTEP_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+  } else {
+    alignas(32) float sf[8];
+    for (; i + 8 <= n; i += 8) {
+      float x[8];
+      for (int j = 0; j < 8; ++j) x[j] = as_float(g[i + j]);
+      const __m256 xv = _mm256_loadu_ps(x);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv));
+      _mm256_store_ps(sf, _mm256_div_ps(xv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+      for (int j = 0; j < 8; ++j) o[i + j] = round_to<T>(as_float(round_to<T>(sf[j])) * as_float(u[i + j]));
+    }
+  }
+#endif
+  silu_mul_scalar(g + i, u + i, o + i, n - i);
+}
+
+// x [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  RECORD_FUNCTION("twostep::silu_and_mul", c10::ArrayRef<c10::IValue>({}));
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "x: last dimension 2 * intermediate size");
+  auto xc = x.contiguous();
+  const int64_t width = x.size(-1), half = width / 2, rows = width ? xc.numel() / width : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = half;
+  auto out = torch::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t chunk = 256;                     // columns per task: a batch-1 row is split too
+    const int64_t per_row = (half + chunk - 1) / chunk;
+    at::parallel_for(0, rows * per_row, 128, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / per_row, c = (i % per_row) * chunk, n = std::min(chunk, half - c);
+        silu_mul_row(xp + r * width + c, xp + r * width + half + c, op + r * half + c, n);
+      }
+    });
   });
   return out;
 }
 
 // x [T, H, D] (any strides between tokens and heads, D contiguous) -> x * cos + rotate_half(x) * sin
-// with cos/sin [T, D], each product and the sum rounded to T as three torch ops would.
+// with cos/sin [T, D], each product and the sum rounded to T as three torch ops would. out may be x.
 template <typename T>
 void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos, const T* sin,
-            T* out, int64_t tokens, int64_t heads, int64_t dim) {
+            T* out, int64_t out_token_stride, int64_t out_head_stride, int64_t tokens, int64_t heads,
+            int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens * heads, 64, [&](int64_t i0, int64_t i1) {
+    std::vector<T> copy(dim);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads;
-      const T* xi = x + t * token_stride + h * head_stride;
+      std::memcpy(copy.data(), x + t * token_stride + h * head_stride, dim * sizeof(T));
+      const T* xi = copy.data();
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
-      T* o = out + i * dim;
+      T* o = out + t * out_token_stride + h * out_head_stride;
       for (int64_t d = 0; d < dim; ++d) {
         const float rotated = d < half ? -as_float(xi[d + half]) : as_float(xi[d - half]);
         const T a = round_to<T>(as_float(xi[d]) * as_float(c[d]));
@@ -72,27 +206,99 @@ void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
   });
 }
 
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.is_cpu() && cos.is_cpu() && sin.is_cpu(), "CPU tensors only");
+void check_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_cpu(x, "x");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim], head_dim contiguous");
   TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t tokens = x.size(0), dim = x.size(2);
   TORCH_CHECK(cos.size(-1) == dim && sin.size(-1) == dim && cos.numel() == tokens * dim &&
               sin.numel() == tokens * dim, "cos/sin must be [tokens, 1, head_dim]");
+  TORCH_CHECK(cos.dtype() == x.dtype() && sin.dtype() == x.dtype(), "cos/sin must have x's dtype");
+}
+
+void run_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   auto c = cos.reshape({tokens, dim}).contiguous();
   auto s = sin.reshape({tokens, dim}).contiguous();
-  TORCH_CHECK(c.dtype() == x.dtype() && s.dtype() == x.dtype(), "cos/sin must have x's dtype");
-  auto out = torch::empty({tokens, heads, dim}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rotary", [&] {
     rotate<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), c.data_ptr<scalar_t>(),
-                     s.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, heads, dim);
+                     s.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), out.stride(0), out.stride(1),
+                     tokens, heads, dim);
   });
+}
+
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  RECORD_FUNCTION("twostep::rotary", c10::ArrayRef<c10::IValue>({}));
+  check_rotary(x, cos, sin);
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  run_rotary(x, cos, sin, out);
   return out;
+}
+
+// The same rotation written back into x: q and k heads side by side in the qkv projection's
+// output are one [T, H + Hkv, D] view, rotated in one call.
+void rotary_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  RECORD_FUNCTION("twostep::rotary_", c10::ArrayRef<c10::IValue>({}));
+  check_rotary(x, cos, sin);
+  run_rotary(x, cos, sin, x);
+}
+
+// k, v [T, Hkv, D] (any token stride, heads and D contiguous) to the cache's slots: values
+// [2, blocks, block_size, Hkv, D] of the same dtype; the two index_copy_ calls of the PyTorch code.
+void write_kv(torch::Tensor values, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots) {
+  RECORD_FUNCTION("twostep::write_kv", c10::ArrayRef<c10::IValue>({}));
+  check_cpu(values, "values");
+  TORCH_CHECK(values.dim() == 5 && values.is_contiguous(), "values: contiguous [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k.dtype() == values.dtype() && v.dtype() == values.dtype(), "k, v: the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots: contiguous int64 [T]");
+  const int64_t tokens = slots.size(0), heads = values.size(3), dim = values.size(4);
+  const int64_t capacity = values.size(1) * values.size(2), row = heads * dim;
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == heads && t->size(2) == dim,
+                "k, v: [T, Hkv, D] matching the cache");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == dim, "k, v: heads and head_dim contiguous");
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot ", sp[t], " out of range");
+  const int64_t bytes = row * values.element_size();
+  char* base = static_cast<char*>(values.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(base + sp[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(base + (capacity + sp[t]) * bytes, vp + t * vs, bytes);
+  }
 }
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(twostep, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("write_kv(Tensor(a!) values, Tensor k, Tensor v, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(twostep, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
+  m.impl("rotary_", &rotary_);
+  m.impl("write_kv", &write_kv);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension, normalised in float32");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :I]) * x[..., I:]");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin, rounded as the PyTorch ops round");
+  m.def("rotary_", &rotary_, "rotary, written back into x");
+  m.def("write_kv", &write_kv, "k and v to the cache's slots");
 }

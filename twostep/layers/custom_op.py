@@ -1,10 +1,10 @@
-"""An op with a native PyTorch implementation that a platform may replace with a faster one,
-picked once at load (vLLM's CustomOp: forward_native / forward_cpu / forward_cuda).
+"""Ops with a native PyTorch implementation that a platform may replace with a faster one, picked
+once at load (vLLM's CustomOp: forward_native / forward_cpu / forward_cuda).
 
-A subclass names its op (`op_name`), defines `forward_native` as a static function of tensors and
-calls `self.impl` where it runs the op (RMSNorm in forward, RotaryEmbedding in the tables it hands
-each step); impl is forward_native unless layers/dispatch.py bound the platform's implementation of
-that op for the model's dtype. The layer itself knows no platform.
+A subclass lists its ops (`native_ops`: op name -> a static function of tensors) and calls
+`self.impls[name]` where it runs one (RMSNorm: "rms_norm" and "add_rms_norm"); an entry is the
+native function unless layers/dispatch.py bound the platform's implementation of that op for the
+model's dtype. The layer itself knows no platform.
 """
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ from torch import nn
 
 
 class CustomOp(nn.Module):
-    op_name: ClassVar[str]
-    forward_native: ClassVar[Callable]
+    native_ops: ClassVar[dict[str, Callable]]
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl: Callable = type(self).forward_native
+        self.impls: dict[str, Callable] = dict(self.native_ops)
 
-    def use(self, impl: Callable | None) -> bool:
-        """Run impl from now on (None: keep the native one); True when it was switched."""
+    def use(self, name: str, impl: Callable | None) -> bool:
+        """Run impl for op `name` from now on (None: keep the native one); True when it was switched."""
         if impl is None:
             return False
-        self.impl = impl
+        self.impls[name] = impl
         return True

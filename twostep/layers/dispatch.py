@@ -31,10 +31,10 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
                         "MiB of row-major weights beside the packed ones (--no-cpu-gemv to save them)")
     switched = set()
     for m in model.modules():
-        if isinstance(m, CustomOp) and m.use(platform.custom_op(m.op_name, dtype)):
-            switched.add(m.op_name)
+        if isinstance(m, CustomOp):
+            switched.update(name for name in list(m.impls) if m.use(name, platform.custom_op(name, dtype)))
     if switched:
-        done.append(f"{' and '.join(sorted(switched))}: {platform.name} kernel")
+        done.append(f"{', '.join(sorted(switched))}: {platform.name} kernels")
     return done
 
 

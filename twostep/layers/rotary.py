@@ -1,5 +1,7 @@
 """Rotary position embedding (non-interleaved halves, as in HF), with llama3 and linear scaling. The
-op "rotary" may run as a platform kernel (bit-identical to these torch ops: platforms/cpu/elementwise.py)."""
+ops "rotary" (to a new tensor) and "rotary_" (in place: the q and k heads of the qkv projection's
+output in one call) may run as a platform kernel, bit-identical to these torch ops
+(platforms/cpu/elementwise.py)."""
 from __future__ import annotations
 
 import math
@@ -48,11 +50,15 @@ def rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x * cos + _rotate_half(x) * sin
 
 
+def rotate_native_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """rotate_native written back into x (a view: the heads of a projection's output)."""
+    x.copy_(rotate_native(x, cos, sin))
+
+
 class RotaryEmbedding(CustomOp):
     """cos/sin for every position up to max_positions, looked up by each token's position."""
 
-    op_name = "rotary"
-    forward_native = staticmethod(rotate_native)
+    native_ops = {"rotary": rotate_native, "rotary_": rotate_native_}
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None,
                  max_positions: int, device: torch.device,
@@ -71,20 +77,26 @@ class RotaryEmbedding(CustomOp):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and sin for these positions, [T, 1, D]: computed once per step, used by every layer."""
         return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
-                          self.sin[positions].unsqueeze(1).to(dtype), self.impl)
+                          self.sin[positions].unsqueeze(1).to(dtype), self.impls["rotary"],
+                          self.impls["rotary_"])
 
 
 @dataclass(frozen=True, slots=True)
 class RopeTables:
     """cos and sin [T, 1, D] of one step's positions, shared by every layer, and the rotation
-    implementation picked at load (rotate_native or a platform's)."""
+    implementations picked at load (rotate_native / rotate_native_ or a platform's)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     rotate: Callable = rotate_native
+    rotate_in_place: Callable = rotate_native_
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotate(q, self.cos, self.sin), self.rotate(k, self.cos, self.sin)
+
+    def apply_(self, heads: torch.Tensor) -> None:
+        """Rotate heads [T, n, D] in place (any strides between tokens and heads)."""
+        self.rotate_in_place(heads, self.cos, self.sin)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

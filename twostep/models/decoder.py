@@ -9,10 +9,10 @@ Platforms and weight formats plug in from outside (layers/dispatch.py): this fil
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from twostep.attention.backend import AttentionBackend
+from twostep.layers.activation import SiluAndMul
 from twostep.layers.embedding import Embedding
 from twostep.layers.linear import Linear
 from twostep.layers.norm import RMSNorm
@@ -39,13 +39,15 @@ class Attention(nn.Module):
                 kv_cache, meta, backend: AttentionBackend,
                 ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+            q, k = rope.apply(self.q_norm(q), self.k_norm(k))
+        else:       # q's and k's heads side by side in qkv: rotated in place, in one call
+            rope.apply_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -55,10 +57,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -69,9 +71,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, residual: the stream before it (None at the first layer,
+        where x is the embedding) -> (this layer's output, the stream before it). Each residual add
+        is fused into the next norm, which updates residual in place."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta, backend)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -108,9 +118,10 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

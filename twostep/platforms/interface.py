@@ -39,3 +39,8 @@ class Platform:
     def paged_decode_attention(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
         """A kernel for decode attention over the paged cache (attention/paged_decode.py), or None."""
         return None
+
+    def kv_cache_write(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
+        """fn(cache values, k, v, slots) storing new K/V in an unquantized cache of this dtype in
+        one call (attention/kv_layer_cache.py's write_kv otherwise), or None."""
+        return None

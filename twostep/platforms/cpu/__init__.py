@@ -1,7 +1,7 @@
 """The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
 linears with a matrix-vector kernel for 1-3 rows (linear.py), quantized weights read packed
-(quant_linear.py), RMSNorm and rotary as one C++ call
-each (elementwise.py), paged decode attention in C++ (paged_attention.py). Each only where its
+(quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
+as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py). Each only where its
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ class CpuPlatform(Platform):
 
     def paged_decode_attention(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
         return paged_decode_attention(kernels.paged_attention(), dtype, quantized_kv)
+
+    def kv_cache_write(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
+        kernel = kernels.elementwise()
+        if kernel is None or quantized_kv or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return kernel.write_kv
 
 
 def has_native_bf16() -> bool:

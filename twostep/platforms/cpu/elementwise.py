@@ -1,9 +1,11 @@
-"""RMSNorm and rotary embedding as one C++ call each (twostep/kernels/elementwise.cpp), the CPU's
-implementations of the ops "rms_norm" and "rotary" (layers/norm.py, layers/rotary.py).
+"""The small per-layer ops as one C++ call each (twostep/kernels/elementwise.cpp), the CPU's
+implementations of the ops "rms_norm", "add_rms_norm" (layers/norm.py), "silu_and_mul"
+(layers/activation.py), "rotary" and "rotary_" (layers/rotary.py), for float32 and bf16.
 
-Rotary is bit-identical to the torch ops in float32 and bf16 (compiled with -ffp-contract=off);
-RMSNorm is within one bf16 rounding, so it is offered for bf16 only: float32 keeps the torch ops
-whose summation order the token-exactness tests against transformers rely on."""
+Rotary is bit-identical to the torch ops (compiled with -ffp-contract=off); RMSNorm sums in
+another order and SiLU's exp is a polynomial: within a float32 rounding or two of the torch ops
+in float32, one rounding in bf16 (tests/platforms/test_elementwise_kernel.py), and the
+token-exactness tests against transformers hold with them."""
 from __future__ import annotations
 
 from typing import Callable
@@ -15,8 +17,9 @@ def elementwise_op(kernel, name: str, dtype: torch.dtype) -> Callable | None:
     """The kernel's implementation of op `name` for this dtype, or None (keep the native one)."""
     if kernel is None:
         return None
-    if name == "rms_norm" and dtype == torch.bfloat16:
-        return kernel.rms_norm
-    if name == "rotary" and dtype in (torch.float32, torch.bfloat16):
-        return kernel.rotary
-    return None
+    if dtype not in (torch.float32, torch.bfloat16) or name not in KERNEL_OPS:
+        return None
+    return getattr(kernel, name)
+
+
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_")

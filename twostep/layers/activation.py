@@ -1,0 +1,20 @@
+"""SiLU-and-multiply, the gated MLP's activation: x = [gate, up] -> silu(gate) * up (vLLM's
+SiluAndMul). A platform may supply it as one call (the CPU's: platforms/cpu/elementwise.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from twostep.layers.custom_op import CustomOp
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(CustomOp):
+    native_ops = {"silu_and_mul": silu_and_mul_native}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impls["silu_and_mul"](x)
