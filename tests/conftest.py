@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +22,11 @@ import torch
 from twostep import SamplingParams
 from twostep.config import EngineConfig
 from twostep.engine.llm_engine import LLMEngine
+
+
+# What the engine caches on disk (converted GGUF tokenizers) goes to a folder of this test session,
+# so no test depends on what an earlier run left in the user's cache.
+os.environ.setdefault("TWOSTEP_CACHE_DIR", tempfile.mkdtemp(prefix="twostep-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"

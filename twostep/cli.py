@@ -230,6 +230,16 @@ def summary_line(out, engine) -> str:
             + (f" | {spec_summary(m.spec_decode)}" if m.spec_decode is not None else ""))
 
 
+def run_build_kernels() -> int:
+    """Each kernel built (or found built) for this CPU; one that cannot build is not an error: the
+    engine falls back to PyTorch there (linear_bf16 also needs AVX512-BF16)."""
+    from twostep.kernels import build_all
+
+    for name, usable in build_all().items():
+        print(f"{name}: {'ready' if usable else 'not available on this machine (PyTorch fallback)'}")
+    return 0
+
+
 def spec_summary(stats) -> str:
     return (f"spec: {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts accepted "
             f"({stats.acceptance_rate:.0%}), {stats.mean_acceptance_length:.2f} tok/step, "
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _analyze_parser(sub)
     _bench_parser(sub)
+    sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU now (else on first use)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("twostep").setLevel(args.log_level.upper())
@@ -256,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_analyze(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "build-kernels":
+            return run_build_kernels()
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -341,3 +341,67 @@ def test_rope_freq_factors_are_applied(tmp_path):
     linear8 = RotaryEmbedding(head_dim, 500000.0, RopeScaling("linear", 8.0), 256, torch.device("cpu"))
     assert torch.allclose(scaled.engine.model.rotary.cos, linear8.cos)
     assert not torch.allclose(plain.engine.model.rotary.cos, linear8.cos)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the fast reader and the tokenizer cache
+
+
+def _assert_reads_as_gguf_reader(path: Path) -> None:
+    from twostep.models.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape, a.n_elements, a.n_bytes) == (
+            b.tensor_type, tuple(int(d) for d in b.shape), int(b.n_elements), int(b.n_bytes))
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data)
+
+
+def test_fast_reader_reads_what_gguf_reader_reads(tmp_path, stories_path):
+    hf = _tiny_hf_tensors(TINY, np.random.default_rng(8))
+    types = [QType.Q4_1, QType.F16, QType.Q8_0, QType.BF16]
+    _write_tiny_gguf(tmp_path / "mixed.gguf", hf, lambda name: types[len(name) % len(types)],
+                     tokenizer_extra=[lambda w: w.add_chat_template("{{ x }}"),
+                                      lambda w: w.add_array("test.floats", [0.5, -2.0]),
+                                      lambda w: w.add_bool("test.flag", True)])
+    _assert_reads_as_gguf_reader(tmp_path / "mixed.gguf")
+    _assert_reads_as_gguf_reader(stories_path)
+
+
+def test_fast_reader_refuses_truncated_and_foreign_files(tmp_path):
+    from twostep.models.gguf_file import GGUFFile
+
+    hf = _tiny_hf_tensors(TINY, np.random.default_rng(9))
+    _write_tiny_gguf(tmp_path / "t.gguf", hf, lambda name: QType.Q8_0)
+    data = (tmp_path / "t.gguf").read_bytes()
+    for cut in (10, 200, len(data) - 100):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="past the end"):
+            GGUFFile(str(tmp_path / "cut.gguf"))
+    (tmp_path / "foreign.gguf").write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(ValueError, match="magic"):
+        GGUFFile(str(tmp_path / "foreign.gguf"))
+
+
+def test_the_converted_tokenizer_is_cached_and_reads_back_identically(tmp_path, monkeypatch, stories_path):
+    monkeypatch.setenv("TWOSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_gguf(stories_path, dtype=torch.float32)
+    cached = list((tmp_path / "cache" / "gguf-tokenizers").glob("*.json"))
+    assert len(cached) == 1
+    # from the cache: the converter (transformers) must not run again
+    monkeypatch.setattr("twostep.models.gguf_loader._convert_vocabulary",
+                        lambda *a: pytest.fail("converted again despite the cache"))
+    second = load_gguf(stories_path, dtype=torch.float32)
+    text = "Once upon a time, a little girl named Lily <s> found </s> a dog."
+    assert second.tokenizer.encode(text).ids == first.tokenizer.encode(text).ids
+    assert second.tokenizer.decode(first.tokenizer.encode(text).ids) == first.tokenizer.decode(
+        first.tokenizer.encode(text).ids)
+    assert second.tokenizer_config == first.tokenizer_config
+    cached[0].write_text("{ not json")                             # damaged: converted again
+    monkeypatch.undo()
+    monkeypatch.setenv("TWOSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    assert load_gguf(stories_path, dtype=torch.float32).tokenizer.encode(text).ids == first.tokenizer.encode(text).ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_all
+from conftest import run_all
 from twostep import EngineConfig, LLMEngine, SamplingParams
 from twostep.layers.custom_op import CustomOp
 

@@ -59,12 +59,10 @@ def source_from_hf_config(config: dict, name: str) -> ModelSource:
 
 
 def _gguf_source(path: Path) -> ModelSource:
-    import gguf
+    from twostep.models.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(path)   # memory-maps the file; tensor data is never touched here
-    # Header values only: the tokenizer's arrays are large and of no use to the analysis.
-    meta = {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.")}
+    reader = GGUFFile(str(path))     # memory-maps the file; tensor data is never touched here
+    meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported for analysis; "

@@ -1,5 +1,7 @@
 """C++ kernels, compiled on first use with torch's extension tooling (g++ and ninja; the build is
 cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch.
+A build logs a line when it starts and one with its time when it ends (each takes ~30-60 s on two
+cores); `twostep build-kernels` (run by scripts/setup.sh) builds them all ahead of the first run.
 
 Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
 CPU's feature flags: a home folder shared by machines of different kinds (an AVX-512 Zen 5, an
@@ -10,6 +12,7 @@ import functools
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -43,12 +46,36 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
         try:
             from torch.utils.cpp_extension import load
 
-            return load(name + suffix, [path], extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
+            fresh = not _is_built(name + suffix)
+            if fresh:
+                logger.info("compiling the C++ kernel %s for this CPU (once; ~30-60 s) ...", source)
+            start = time.monotonic()
+            module = load(name + suffix, [path], extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
+            if fresh:
+                logger.info("compiled %s in %.0f s", source, time.monotonic() - start)
+            return module
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
             error = e
     logger.warning("C++ kernel %s unavailable (%s: %s); using PyTorch instead", source,
                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
     return None
+
+
+def _is_built(name: str) -> bool:
+    """Whether a build of this module is in torch's extension cache (torch still checks it is current)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001 - a private helper: when it moves, just log every build
+        return False
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or find built) every kernel this CPU can run; kernel name -> usable."""
+    builders = {"elementwise": elementwise, "paged_attention": paged_attention, "quant_linear": quant_linear,
+                "quant_linear_portable": quant_linear_portable, "linear_bf16": linear_bf16}
+    return {name: build() is not None for name, build in builders.items()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,10 +25,14 @@ Choices worth knowing:
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 import os
 import re
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -37,6 +41,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Tokenizer, processors
 
+from twostep.models.gguf_file import GGUFFile
 from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
 
@@ -134,29 +139,30 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 # metadata
 
 
-def _open(path: str) -> gguf.GGUFReader:
-    """The file's reader; a file gguf cannot parse (truncated, not GGUF) is named in the error."""
+def _open(path: str) -> GGUFFile:
+    """The file's metadata and tensor table; a file that cannot be parsed (truncated, not GGUF) is
+    named in the error."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such GGUF file")
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
+        return GGUFFile(path)
+    except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         size = os.path.getsize(path) if os.path.isfile(path) else 0
         raise ValueError(f"{path}: not a readable GGUF file ({size:,} bytes; truncated or corrupt?): "
                          f"{type(e).__name__}: {e}") from None
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: str, default: Any = _REQUIRED) -> Any:
+def _field(reader: GGUFFile, key: str, path: str, default: Any = _REQUIRED) -> Any:
     """A metadata value as a Python object; a missing required key is a malformed file."""
-    field = reader.get_field(key)
-    if field is not None:
-        return field.contents()
+    value = reader.fields.get(key)
+    if value is not None:
+        return value
     if default is _REQUIRED:
         raise ValueError(f"{path}: GGUF metadata lacks required key {key!r}")
     return default
 
 
-def _check_supported(reader: gguf.GGUFReader, path: str) -> None:
+def _check_supported(reader: GGUFFile, path: str) -> None:
     """Refuse up front, before any dequantising, what we cannot load correctly."""
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -170,7 +176,7 @@ def _check_supported(reader: gguf.GGUFReader, path: str) -> None:
                          f"{' ...' if len(bad) > 3 else ''}; supported: {names}")
 
 
-def _special_token_ids(reader: gguf.GGUFReader, path: str, vocab_size: int) -> dict[str, int | None]:
+def _special_token_ids(reader: GGUFFile, path: str, vocab_size: int) -> dict[str, int | None]:
     """Special-token ids, None where absent. Out-of-range ids are llama.cpp's way of saying 'none'."""
     ids = {}
     for name, key in _SPECIAL_TOKEN_KEYS.items():
@@ -185,7 +191,7 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> dict:
+def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> dict:
     arch = _field(reader, "general.architecture", path)
 
     def meta(key: str, default: Any = _REQUIRED) -> Any:
@@ -227,7 +233,7 @@ def _hf_config(reader: gguf.GGUFReader, path: str, special: dict[str, int | None
     }
 
 
-def _rope_scaling(reader: gguf.GGUFReader, path: str, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, path: str, arch: str) -> dict | None:
     """HF rope_scaling from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
     kind = _field(reader, f"{arch}.rope.scaling.type", path, None)
     factor = _field(reader, f"{arch}.rope.scaling.factor", path, None)
@@ -253,7 +259,7 @@ def _generation_config(special: dict[str, int | None]) -> dict:
 # tensors
 
 
-def _tensor_info(reader: gguf.GGUFReader, name: str, path: str, required: bool = True):
+def _tensor_info(reader: GGUFFile, name: str, path: str, required: bool = True):
     for tensor in reader.tensors:
         if tensor.name == name:
             return tensor
@@ -302,7 +308,7 @@ def _packed(tensor, path: str) -> QuantizedWeight:
         raise ValueError(f"{path}: tensor {tensor.name!r}: {e}") from None
 
 
-def _load_tensors(reader: gguf.GGUFReader, config: dict, dtype: torch.dtype,
+def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
                   path: str, arch: str, keep_quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     if arch != "llama":
@@ -338,6 +344,8 @@ def _check_complete(tensors: dict[str, torch.Tensor], num_layers: int, path: str
 # ---------------------------------------------------------------------------------------------------
 # tokenizer
 
+_TOKENIZER_CACHE_FORMAT = 1     # bump when _build_tokenizer changes what it makes of the metadata
+
 
 def _gguf_tokenizer_converter():
     """transformers' GGUF tokenizer conversion; it moved from integrations.ggml in transformers 5."""
@@ -348,21 +356,11 @@ def _gguf_tokenizer_converter():
     return GGUF_TOKENIZER_MAPPING["tokenizer"], convert_gguf_tokenizer
 
 
-def _build_tokenizer(reader: gguf.GGUFReader, path: str, tokens: list[str],
+def _build_tokenizer(reader: GGUFFile, path: str, tokens: list[str],
                      special: dict[str, int | None]) -> tuple[Tokenizer, dict]:
-    tokenizer = _convert_vocabulary(reader, path, special)
     strings = {name: None if special[name] is None else tokens[special[name]]
                for name in ("bos", "eos", "unk", "pad")}
-    # HF's tokenizer class registers these as special tokens on top of the vocabulary, so they are
-    # matched whole in text and dropped by decode(skip_special_tokens=True); do the same.
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in dict.fromkeys(strings.values()) if t is not None])
-
     add_bos, add_eos = _add_bos_eos(reader, path, special)
-    bos = (strings["bos"], special["bos"]) if add_bos else None
-    eos = (strings["eos"], special["eos"]) if add_eos else None
-    tokenizer.post_processor = _special_token_template(bos, eos)
-
     tokenizer_config = {
         "bos_token": strings["bos"],
         "eos_token": strings["eos"],
@@ -372,10 +370,58 @@ def _build_tokenizer(reader: gguf.GGUFReader, path: str, tokens: list[str],
         "add_eos_token": add_eos,
         "chat_template": _field(reader, "tokenizer.chat_template", path, None),
     }
+    cache = _tokenizer_cache_file(reader)
+    if cache is not None and cache.is_file():
+        try:
+            return Tokenizer.from_file(str(cache)), tokenizer_config
+        except Exception:  # noqa: BLE001 - a damaged cache entry: convert again
+            logger.warning("ignoring the unreadable cached tokenizer %s", cache)
+    tokenizer = _convert_vocabulary(reader, path, special)
+    # HF's tokenizer class registers these as special tokens on top of the vocabulary, so they are
+    # matched whole in text and dropped by decode(skip_special_tokens=True); do the same.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in dict.fromkeys(strings.values()) if t is not None])
+    bos = (strings["bos"], special["bos"]) if add_bos else None
+    eos = (strings["eos"], special["eos"]) if add_eos else None
+    tokenizer.post_processor = _special_token_template(bos, eos)
+    if cache is not None:
+        _save_atomically(tokenizer, cache)
     return tokenizer, tokenizer_config
 
 
-def _convert_vocabulary(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> Tokenizer:
+def _tokenizer_cache_file(reader: GGUFFile) -> Path | None:
+    """Where the tokenizer converted from this metadata is kept (the conversion imports transformers
+    and takes seconds; reading it back, milliseconds): $TWOSTEP_CACHE_DIR, else
+    $XDG_CACHE_HOME/twostep or ~/.cache/twostep, under a hash of the metadata and the versions of
+    the libraries that convert it. None: caching switched off (TWOSTEP_CACHE_DIR="")."""
+    root = os.environ.get("TWOSTEP_CACHE_DIR")
+    if root == "":
+        return None
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "twostep")
+    versions = "-".join(_version(p) for p in ("transformers", "tokenizers"))
+    key = hashlib.sha256(f"{reader.metadata_digest()} {versions} {_TOKENIZER_CACHE_FORMAT}".encode()).hexdigest()
+    return Path(root) / "gguf-tokenizers" / f"{key[:32]}.json"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _save_atomically(tokenizer: Tokenizer, target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        tokenizer.save(str(partial))
+        os.replace(partial, target)
+    except OSError as e:                # a read-only home: convert every time
+        logger.info("tokenizer not cached (%s)", e)
+
+
+def _convert_vocabulary(reader: GGUFFile, path: str, special: dict[str, int | None]) -> Tokenizer:
     """transformers' conversion of the file's vocabulary (and merges) into a fast tokenizer."""
     key_names, convert = _gguf_tokenizer_converter()
     # The same metadata transformers' from_pretrained hands to the converter, except that the
@@ -389,7 +435,7 @@ def _convert_vocabulary(reader: gguf.GGUFReader, path: str, special: dict[str, i
     return tokenizer
 
 
-def _add_bos_eos(reader: gguf.GGUFReader, path: str, special: dict[str, int | None]) -> tuple[bool, bool]:
+def _add_bos_eos(reader: GGUFFile, path: str, special: dict[str, int | None]) -> tuple[bool, bool]:
     """Whether the model expects BOS / EOS around every text: the file's flags if it has them, else
     llama.cpp's defaults (BOS for a sentencepiece vocabulary only, never EOS)."""
     sentencepiece = _field(reader, "tokenizer.ggml.model", path) == "llama"

@@ -1,0 +1,141 @@
+"""A GGUF file's metadata and tensor table, read in one pass over a memory map.
+
+The gguf package's GGUFReader builds two numpy views per string of every array it meets: a
+49,152-token vocabulary and its merges cost ~6 s before the first weight is touched. This reads the
+same format (the gguf package's constants: value types, quantization types and their block sizes)
+with struct from one memory map, strings decoded as it goes, so the header of the default model
+takes ~0.1 s. Tensor data are numpy views of the map, as GGUFReader's: nothing is read until used.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
+
+_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+            GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+            GGUFValueType.FLOAT32: "f", GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
+            GGUFValueType.FLOAT64: "d", GGUFValueType.BOOL: "?"}
+_PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                 GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]          # ggml order: the fastest-moving dimension first
+    n_elements: int
+    n_bytes: int
+    data: np.ndarray                # a view of the file: plain types as their dtype, blocks as uint8 rows
+
+
+class GGUFFile:
+    """fields: metadata key -> Python value (arrays as lists); tensors: the tensor table in file order."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._pos = 0
+        if self._unpack("<I") != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version = self._unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_fields = self._unpack("<Q"), self._unpack("<Q")
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_fields):
+            key = self._string()
+            if key in self.fields:
+                raise ValueError(f"duplicate metadata key {key!r}")
+            self.fields[key] = self._value(GGUFValueType(self._unpack("<I")))
+        self._metadata_end = self._pos
+        infos = [self._tensor_info() for _ in range(n_tensors)]
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = (self._pos + alignment - 1) // alignment * alignment
+        buffer = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensors = [self._tensor(buffer, start, *info) for info in infos]
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names")
+
+    def metadata_digest(self) -> str:
+        """A hash of the header and metadata bytes (vocabulary, merges, chat template, ...): the key
+        under which what is derived from them (the converted tokenizer) can be cached."""
+        return hashlib.sha256(self._map[:self._metadata_end]).hexdigest()[:32]
+
+    def _unpack(self, fmt: str) -> Any:
+        if self._pos + struct.calcsize(fmt) > len(self._map):
+            raise ValueError("the metadata runs past the end of the file")
+        value, = struct.unpack_from(fmt, self._map, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._unpack("<Q")
+        if self._pos + n > len(self._map):
+            raise ValueError("a string runs past the end of the file")
+        text = self._map[self._pos:self._pos + n].decode("utf-8", errors="replace")
+        self._pos += n
+        return text
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary, its merges) in one tight loop."""
+        m, pos, end, out = self._map, self._pos, len(self._map), []
+        for _ in range(count):
+            n = int.from_bytes(m[pos:pos + 8], "little")
+            pos += 8
+            if pos + n > end:
+                raise ValueError("a string runs past the end of the file")
+            out.append(m[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self._pos = pos
+        return out
+
+    def _value(self, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self._string()
+        if kind == GGUFValueType.ARRAY:
+            item, count = GGUFValueType(self._unpack("<I")), self._unpack("<Q")
+            if item in _SCALARS:                    # one unpack for the whole array
+                fmt = f"<{count}{_SCALARS[item]}"
+                if self._pos + struct.calcsize(fmt) > len(self._map):
+                    raise ValueError("an array runs past the end of the file")
+                values = list(struct.unpack_from(fmt, self._map, self._pos))
+                self._pos += struct.calcsize(fmt)
+                return values
+            if item == GGUFValueType.STRING:
+                return self._strings(count)
+            return [self._value(item) for _ in range(count)]
+        if kind in _SCALARS:
+            return self._unpack("<" + _SCALARS[kind])
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = self._string()
+        dims = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
+        return name, dims, GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")
+
+    def _tensor(self, buffer: np.ndarray, start: int, name: str, dims: tuple[int, ...],
+                kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
+        n_elements = int(np.prod(dims)) if dims else 1
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        n_bytes = n_elements * block_bytes // block
+        first = start + offset
+        if first + n_bytes > buffer.size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        raw = buffer[first:first + n_bytes]
+        shape = tuple(reversed(dims))
+        if kind in _PLAIN_DTYPES:
+            data = raw.view(_PLAIN_DTYPES[kind]).reshape(shape)
+        else:
+            data = raw.reshape(quant_shape_to_byte_shape(shape, kind))
+        return GGUFTensor(name, kind, dims, n_elements, n_bytes, data)
