@@ -4,7 +4,7 @@ A build logs a line when it starts and one with its time when it ends (each take
 cores); `twostep build-kernels` (run by scripts/setup.sh) builds them all ahead of the first run.
 
 Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
-CPU's feature flags: a home folder shared by machines of different kinds (an AVX-512 Zen 5, an
+CPU's feature flags (and a hash of the source): a home folder shared by machines of different kinds (an AVX-512 Zen 5, an
 AVX2-only EPYC, a Xeon with AMX) never runs code built for another's instructions."""
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
     without OpenMP gets a second, single-threaded try."""
     path = str(Path(__file__).with_name(source))
     error = None
-    name = f"{name}_{cpu_tag()}"
+    # the name carries the CPU's flags and a hash of the source and flags: a build is found by name
+    # alone, and a changed kernel gets a new one (so the log below knows when a build is coming)
+    digest = hashlib.sha1(Path(path).read_bytes() + " ".join((*_CFLAGS, *cflags)).encode()).hexdigest()[:8]
+    name = f"{name}_{cpu_tag()}_{digest}"
     for suffix, flags in (("", [_OPENMP]), ("_serial", [])):
         try:
             from torch.utils.cpp_extension import load

@@ -5,6 +5,8 @@
 // (benchmarks/bench_linear.py). Built without AVX512-BF16, available() is false and callers keep
 // oneDNN.
 #include <torch/extension.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -90,6 +92,7 @@ bool available() {
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
                           const c10::optional<torch::Tensor>& bias) {
+  RECORD_FUNCTION("twostep::linear_bf16", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(available(), "built without AVX512-BF16");
   TORCH_CHECK(x.is_cpu() && w.is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bfloat16 only");
@@ -119,6 +122,12 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(twostep, m) {
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(twostep, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 path");

@@ -10,6 +10,8 @@
 // is a multiple of 16 this is intrinsics; otherwise the same steps as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -219,6 +221,7 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, torch::Tensor q_lens,
                                      torch::Tensor cache, torch::Tensor tables, torch::Tensor seq_lens,
                                      double scale) {
+  RECORD_FUNCTION("twostep::paged_decode_attention", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kFloat, "q: contiguous float32");
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache: contiguous [2, blocks, bs, Hkv, D]");
   TORCH_CHECK(tables.is_contiguous() && q_index.is_contiguous(), "tables, q_index: contiguous");
@@ -243,6 +246,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   }
   return out;
 }
+
+TORCH_LIBRARY_FRAGMENT(twostep, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor q_index, Tensor q_lens, Tensor cache, Tensor tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(twostep, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);

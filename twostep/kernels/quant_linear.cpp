@@ -13,6 +13,8 @@
 //   matrix-matrix product hands to oneDNN / MKL).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
@@ -384,6 +386,7 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
 // out[m, :n] = x[m] . w^T for x [M <= 8, k]; out is float32 [M, >= n] with unit column stride.
 void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
           const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_gemv", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.size(0) == x.size(0), "out must be float32 [M, n]");
   const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
@@ -436,6 +439,7 @@ void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_
 void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
                      const at::Tensor& ids, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_dequantize_rows", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && out.is_contiguous(), "bad ids / out");
   const int64_t k = out.size(1), count = ids.numel();
   TORCH_CHECK(out.size(0) == count, "out rows != ids");
@@ -454,6 +458,34 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
 }
 
 std::string path() { return kPath; }
+
+// Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
+// beside the native one, registers its own namespace.
+#ifdef TWOSTEP_FORCE_SCALAR
+#define TWOSTEP_OPS twostep_portable
+#else
+#define TWOSTEP_OPS twostep
+#endif
+#define TWOSTEP_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define TWOSTEP_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+
+TWOSTEP_FRAGMENT(TWOSTEP_OPS, m) {
+  m.def("quant_gemv(Tensor x, Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, int zero, "
+        "Tensor(a!) out) -> ()");
+  m.def("quant_dequantize_rows(Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
+        "int zero, Tensor ids, Tensor(a!) out) -> ()");
+}
+
+TWOSTEP_IMPL(TWOSTEP_OPS, m) {
+  m.impl("quant_gemv", [](const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+                          const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                          int64_t group, int64_t zero, at::Tensor out) { gemv(x, qs, qh, scales, mins, bits, group, zero, out); });
+  m.impl("quant_dequantize_rows", [](const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+                                     const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                                     int64_t group, int64_t zero, const at::Tensor& ids, at::Tensor out) {
+    dequantize_rows(qs, qh, scales, mins, bits, group, zero, ids, out);
+  });
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "quantized matrix-vector product for 1-8 rows into a float32 out");
