@@ -3,6 +3,7 @@ the engine loop (scheduling, step inputs, request updates, output assembly and d
 
     .venv/bin/python benchmarks/step_breakdown.py                    # default model, batch 1
     .venv/bin/python benchmarks/step_breakdown.py --model FILE.gguf --batch 8 --tokens 128
+    .venv/bin/python benchmarks/step_breakdown.py --compare-unfused --reps 5   # fused vs torch ops
 
 It runs --batch requests of a 16-token prompt for --tokens decode steps each and times the parts
 of every decode step with a clock around them (the clock costs ~0.3 us a call, ~150 calls a step):
@@ -13,7 +14,10 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
   engine     everything in LLMEngine.step outside ModelRunner.execute, plus the step's inputs
              and attention metadata
 Medians over the decode steps; the bound line is the weights' bytes over --bandwidth (GB/s, e.g.
-from `twostep bench ceilings`), when given.
+from `twostep bench ceilings`), when given. --compare-unfused runs the same engine alternately with
+the platform's fused per-layer ops and with the PyTorch ops they replace (layers' native_ops, the
+K/V write through index_copy_), --reps times each, interleaved: this machine's speed drifts by up to
+2x over minutes, so only ratios from one such run mean anything.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from twostep import LLM, SamplingParams
+from twostep.layers.custom_op import CustomOp
 from twostep.layers.dispatch import weight_bytes
 from twostep.layers.linear import Linear
 
@@ -112,43 +117,76 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
     return parts
 
 
+class OpSwitch:
+    """Switches an engine between the fused per-layer ops it was bound to and PyTorch's."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.ops = [m for m in llm.engine.model.modules() if isinstance(m, CustomOp)]
+        self.fused = [dict(m.impls) for m in self.ops]
+        self.backend = llm.engine.runner.backend
+        self.writer = self.backend.write_values
+
+    def use(self, fused: bool) -> None:
+        for m, impls in zip(self.ops, self.fused):
+            m.impls = dict(impls) if fused else dict(m.native_ops)
+        self.backend.write_values = self.writer if fused else None
+
+
+def measure(llm: LLM, clock: StepClock, prompts, params) -> dict[str, float]:
+    clock.steps.clear()
+    with clocked_linears(clock):
+        llm.generate(prompts, params, use_tqdm=False)
+    return breakdown(clock.steps[2:])           # the prefill step and the first decode left out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--compare-unfused", action="store_true", help="also the PyTorch ops, interleaved")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the weight-stream bound")
-    ap.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_threads=args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
+              kv_cache_memory="256MiB")
     prompts = [[100 + 7 * i + j for j in range(16)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    clock = StepClock()
+    clock, switch = StepClock(), OpSwitch(llm)
     instrument(llm, clock)
-    with clocked_linears(clock):
-        llm.generate(prompts, params, use_tqdm=False)
-    decode_steps = clock.steps[2:]          # the prefill step and the first decode left out
-    parts = breakdown(decode_steps)
+    configs = ["fused", "unfused"] if args.compare_unfused else ["fused"]
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    for _ in range(args.reps):
+        for config in configs:
+            switch.use(config == "fused")
+            runs[config].append(measure(llm, clock, prompts, params))
+    switch.use(True)
+    results = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
     weights_mb = weight_bytes(llm.engine.model) / 1e6
-    result = {"model": llm.engine.model_path.rsplit("/", 1)[-1], "dtype": str(llm.engine.dtype)[6:],
-              "batch": args.batch, "threads": torch.get_num_threads(), "steps": len(decode_steps),
-              **{k: round(v, 2) for k, v in parts.items()},
-              "tok_s": round(args.batch * 1e3 / parts["step"], 1), "weights_MB": round(weights_mb, 1)}
-    if args.bandwidth:
-        result["bound_ms"] = round(weights_mb / args.bandwidth, 2)
+    header = {"model": llm.engine.model_path.rsplit("/", 1)[-1], "dtype": str(llm.engine.dtype)[6:],
+              "batch": args.batch, "threads": torch.get_num_threads(), "reps": args.reps,
+              "weights_MB": round(weights_mb, 1)}
     if args.json:
-        print(json.dumps(result))
+        for config, parts in results.items():
+            print(json.dumps({**header, "ops": config, **{k: round(v, 2) for k, v in parts.items()},
+                              "tok_s": round(args.batch * 1e3 / parts["step"], 1)}))
         return
-    print(f"{result['model']}, {result['dtype']}, batch {args.batch}, {result['threads']} threads, "
-          f"{len(decode_steps)} decode steps, {weights_mb:.0f} MB of weights")
+    print(f"{header['model']}, {header['dtype']}, batch {args.batch}, {header['threads']} threads, "
+          f"{args.tokens} tokens x {args.reps} reps, {weights_mb:.0f} MB of weights; ms per decode step (share)")
+    print("  " + " " * 10 + "".join(f"{c:>18s}" for c in configs))
     for name in ("weights", "attention", "other ops", "logits", "engine", "step"):
-        share = 100 * parts[name] / parts["step"]
-        print(f"  {name:10s} {parts[name]:7.2f} ms  {share:5.1f}%")
-    print(f"  {result['tok_s']} tokens/s" + (f"; weight-stream bound {result['bound_ms']} ms at "
-                                             f"{args.bandwidth} GB/s" if args.bandwidth else ""))
+        cells = "".join(f"{p[name]:9.2f} ({100 * p[name] / p['step']:4.1f}%)" for p in results.values())
+        print(f"  {name:10s}{cells}")
+    print("  tokens/s  " + "".join(f"{args.batch * 1e3 / p['step']:18.1f}" for p in results.values()))
+    if args.compare_unfused:
+        print(f"  fused / unfused speed: {results['unfused']['step'] / results['fused']['step']:.2f}x")
+    if args.bandwidth:
+        print(f"  weight-stream bound {weights_mb / args.bandwidth:.2f} ms at {args.bandwidth} GB/s")
 
 
 if __name__ == "__main__":

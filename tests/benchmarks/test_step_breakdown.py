@@ -1,0 +1,33 @@
+"""benchmarks/step_breakdown.py on a tiny model: every part of a decode step is timed, the parts
+add up to the step, and --compare-unfused really switches the engine to the PyTorch ops and back."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_breakdown.py"
+_spec = importlib.util.spec_from_file_location("benchmarks_step_breakdown", _PATH)
+step_breakdown = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_breakdown)
+
+
+def test_breakdown_parts_add_up_and_both_op_sets_run(tiny_model_dir, monkeypatch, capsys):
+    from twostep.layers.norm import RMSNorm, add_rms_norm_native
+
+    calls = {"native": 0}
+
+    def counting(*args):
+        calls["native"] += 1
+        return add_rms_norm_native(*args)
+
+    monkeypatch.setitem(RMSNorm.native_ops, "add_rms_norm", counting)
+    monkeypatch.setattr(sys, "argv", ["step_breakdown.py", "--model", str(tiny_model_dir("llama")),
+                                      "--tokens", "6", "--reps", "2", "--compare-unfused", "--json"])
+    step_breakdown.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["ops"] for r in rows] == ["fused", "unfused"]
+    for r in rows:
+        parts = sum(r[k] for k in ("weights", "attention", "other ops", "logits", "engine"))
+        assert 0 < parts <= r["step"] * 1.05 and parts >= 0.8 * r["step"]
+        assert r["weights"] > 0 and r["attention"] > 0 and r["tok_s"] > 0
+    assert calls["native"] > 0           # the unfused runs went through the PyTorch ops
