@@ -4,9 +4,11 @@ and fixtures that test modules share (tests import them with `from conftest impo
 module imports another)."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +28,9 @@ from twostep.engine.llm_engine import LLMEngine
 
 # What the engine caches on disk (converted GGUF tokenizers) goes to a folder of this test session,
 # so no test depends on what an earlier run left in the user's cache.
-os.environ.setdefault("TWOSTEP_CACHE_DIR", tempfile.mkdtemp(prefix="twostep-test-cache-"))
+if "TWOSTEP_CACHE_DIR" not in os.environ:
+    os.environ["TWOSTEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="twostep-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TWOSTEP_CACHE_DIR"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"

@@ -52,8 +52,11 @@ def kernel_builds():
 
 def shapes(qtype):
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    # K not a multiple of 256 where the type allows it; N odd, 1 and large
-    return [(1, block), (37, 3 * block), (129, 96 if block == 32 else 512), (8, 4864 if block == 32 else 4864 // 256 * 256)]
+    # K not a multiple of 256 where the type allows it; N odd, 1 and large; 18 blocks of 32 (SmolLM2's
+    # 576): two passes of the kernel's 8-block loop and a tail
+    extra = [(5, 18 * 32)] if block == 32 else []
+    return [(1, block), (37, 3 * block), (129, 96 if block == 32 else 512),
+            (8, 4864 if block == 32 else 4864 // 256 * 256), *extra]
 
 
 CASES = [(q, n, k) for q in PACKED_TYPES for n, k in shapes(q)]
