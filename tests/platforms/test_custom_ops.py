@@ -63,3 +63,33 @@ def test_a_quantized_decode_step_shows_its_kernels_in_the_profiler():
     assert {"twostep::quant_gemv", "twostep::paged_decode_attention", "twostep::add_rms_norm",
             "twostep::quant_dequantize_rows"} <= names
     assert not names & {"aten::linear", "aten::mm", "aten::addmm"}     # no weight dequantized to a matmul
+
+
+def test_paged_attention_refuses_a_plan_that_reaches_outside_the_cache():
+    kernel = built(kernels.paged_attention())
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    good = dict(q_index=torch.tensor([[0]]), q_lens=torch.tensor([1]), tables=torch.tensor([[1, 2]]),
+                seq_lens=torch.tensor([20]))
+
+    def call(**changes):
+        a = {**good, **changes}
+        return kernel.paged_decode_attention(q, a["q_index"], a["q_lens"], cache, a["tables"], a["seq_lens"], 0.1)
+
+    assert call().shape == (1, 1, 4, 64)
+    for changes, message in [({"seq_lens": torch.tensor([500])}, "block table's reach"),
+                             ({"tables": torch.tensor([[1, 9]])}, "block id 9"),
+                             ({"q_index": torch.tensor([[3]])}, "q_index"),
+                             ({"q_lens": torch.tensor([2])}, "q_len")]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**changes)
+
+
+def test_quant_gemv_refuses_planes_that_do_not_fit_k():
+    kernel = built(kernels.quant_linear())
+    part = quantize_weight(torch.randn(8, 64), "int4")
+    args = (part.fmt.bits, part.fmt.group, part.fmt.zero)
+    with pytest.raises(RuntimeError, match="qs"):
+        kernel.gemv(torch.randn(1, 128), *part.planes(), *args, torch.empty(1, 8))     # x longer than the rows
+    with pytest.raises(RuntimeError, match="scales"):
+        kernel.gemv(torch.randn(1, 64), part.qs, part.qh, part.scales[:4], part.mins, *args, torch.empty(1, 8))

@@ -215,6 +215,34 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
 
 }  // namespace
 
+// Every index the kernel follows, checked before it runs: a bad plan is an error, never a read
+// outside the cache.
+void check_plan(const torch::Tensor& q, const torch::Tensor& q_index, const torch::Tensor& q_lens,
+                const torch::Tensor& cache, const torch::Tensor& tables, const torch::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && q_index.dim() == 2 && tables.dim() == 2, "q [T, H, D], q_index [B, Q], tables [B, n]");
+  TORCH_CHECK(q_index.scalar_type() == torch::kLong && q_lens.scalar_type() == torch::kLong &&
+              seq_lens.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong,
+              "q_index, q_lens, seq_lens, tables: int64");
+  const int64_t batch = q_index.size(0), max_q = q_index.size(1), width = tables.size(1);
+  TORCH_CHECK(q_lens.numel() == batch && seq_lens.numel() == batch && tables.size(0) == batch,
+              "q_lens, seq_lens, tables: one entry per sequence");
+  TORCH_CHECK(q_lens.is_contiguous() && seq_lens.is_contiguous(), "q_lens, seq_lens: contiguous");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0,
+              "q's head size and head count must fit the cache's KV heads");
+  const int64_t blocks = cache.size(1), block_size = cache.size(2), tokens = q.size(0);
+  const int64_t *qi = q_index.data_ptr<int64_t>(), *ql = q_lens.data_ptr<int64_t>();
+  const int64_t *sl = seq_lens.data_ptr<int64_t>(), *tb = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(ql[b] >= 1 && ql[b] <= max_q, "sequence ", b, ": q_len ", ql[b], " outside 1..", max_q);
+    TORCH_CHECK(sl[b] >= ql[b] && sl[b] <= width * block_size, "sequence ", b, ": seq_len ", sl[b],
+                " outside its q_len..", width * block_size, " (the block table's reach)");
+    for (int64_t i = 0; i < max_q; ++i)
+      TORCH_CHECK(qi[b * max_q + i] >= 0 && qi[b * max_q + i] < tokens, "q_index out of range");
+    for (int64_t j = 0; j < (sl[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tb[b * width + j] >= 0 && tb[b * width + j] < blocks, "block id ", tb[b * width + j], " out of range");
+  }
+}
+
 // q [T, H, D] float32; q_index [B, Q] int64 (rows of q, padded with the last); q_lens, seq_lens [B]
 // int64; cache [2, num_blocks, block_size, Hkv, D] float32 or bfloat16; tables [B, n] int64.
 // Returns [B, Q, H, D] float32 (rows past a sequence's q_len are zeros).
@@ -227,6 +255,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   TORCH_CHECK(tables.is_contiguous() && q_index.is_contiguous(), "tables, q_index: contiguous");
   const int64_t batch = q_index.size(0), max_q = q_index.size(1), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = cache.size(2), kv_heads = cache.size(3);
+  check_plan(q, q_index, q_lens, cache, tables, seq_lens);
   auto out = torch::zeros({batch, max_q, heads, dim}, q.options());
   const int64_t half = cache.size(1) * block_size * kv_heads * dim;
   auto run = [&](auto* base) {

@@ -419,6 +419,16 @@ Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, cons
   TORCH_CHECK(k % kBlock == 0 && (group == 16 || group % kBlock == 0) && k % group == 0, "bad k / group");
   TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "bad planes");
   TORCH_CHECK((bits == 5 || bits == 6) == (qh.has_value() && qh->defined()), "qh plane mismatch");
+  // the planes must hold what k and the format say, so no read goes past them
+  const int64_t n = qs.size(0), groups = k / group;
+  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == (bits == 8 ? k : k / 2), "qs: [n, ", bits == 8 ? k : k / 2,
+              "] bytes for k = ", k);
+  TORCH_CHECK(scales.numel() == n * groups, "scales: one per group of ", group, " weights");
+  TORCH_CHECK(!(mins.has_value() && mins->defined()) ||
+              (mins->is_contiguous() && mins->scalar_type() == at::kHalf && mins->numel() == n * groups),
+              "mins: contiguous float16, one per group");
+  TORCH_CHECK(!(qh.has_value() && qh->defined()) ||
+              (qh->is_contiguous() && qh->numel() == n * (bits == 5 ? k / 8 : k / 4)), "qh: the high bits of every code");
   Planes p{reinterpret_cast<const uint8_t*>(qs.data_ptr()),
            qh.has_value() && qh->defined() ? qh->data_ptr<uint8_t>() : nullptr,
            scales.data_ptr<at::Half>(),
