@@ -56,47 +56,47 @@ void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
               "weight must be [hidden] with x's last dimension");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  RECORD_FUNCTION("twostep::rms_norm", c10::ArrayRef<c10::IValue>({}));
+// out = rms_norm(x) row by row; with a residual, residual += x first (rounded to T, as torch's add)
+// and the norm is of the sum.
+torch::Tensor norm_rows(const torch::Tensor& x, torch::Tensor* residual, const torch::Tensor& weight, double eps) {
   check_norm(x, weight);
+  if (residual != nullptr)
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->dtype() == x.dtype(),
+                "residual: contiguous, with x's shape and dtype");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = torch::empty_like(xc);
   const int64_t dim = weight.size(0), rows = xc.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+    scalar_t* rp = residual != nullptr ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * dim, wp, op + r * dim, dim, static_cast<float>(eps));
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* row = xp + r * dim;
+        if (rp != nullptr) {
+          scalar_t* res = rp + r * dim;
+          for (int64_t d = 0; d < dim; ++d) res[d] = round_to<scalar_t>(as_float(row[d]) + as_float(res[d]));
+          row = res;
+        }
+        rms_norm_row(row, wp, op + r * dim, dim, static_cast<float>(eps));
+      }
     });
   });
   return out;
 }
 
-// residual += x in place (rounded to T, as torch's add), then the RMSNorm of the sum (vLLM's
-// fused_add_rms_norm): one pass over the row instead of an add and a norm.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  RECORD_FUNCTION("twostep::rms_norm", c10::ArrayRef<c10::IValue>({}));
+  return norm_rows(x, nullptr, weight, eps);
+}
+
+// residual += x in place, then the RMSNorm of the sum (vLLM's fused_add_rms_norm): one pass over
+// the row instead of an add and a norm.
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const torch::Tensor& weight,
                            double eps) {
   RECORD_FUNCTION("twostep::add_rms_norm", c10::ArrayRef<c10::IValue>({}));
-  check_norm(x, weight);
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.dtype() == x.dtype(),
-              "residual: contiguous, with x's shape and dtype");
-  auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  auto out = torch::empty_like(xc);
-  const int64_t dim = weight.size(0), rows = xc.numel() / dim;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "add_rms_norm", [&] {
-    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
-    scalar_t *rp = residual.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* res = rp + r * dim;
-        for (int64_t d = 0; d < dim; ++d) res[d] = round_to<scalar_t>(as_float(xp[r * dim + d]) + as_float(res[d]));
-        rms_norm_row(res, wp, op + r * dim, dim, static_cast<float>(eps));
-      }
-    });
-  });
-  return out;
+  return norm_rows(x, &residual, weight, eps);
 }
 
 // exp(x) for 8 floats: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf),
