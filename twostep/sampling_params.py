@@ -1,10 +1,90 @@
 """Per-request sampling and stopping parameters (vLLM-shaped), validated on creation."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5   # below this, sampling is argmax
+LOGIT_BIAS_LIMIT = 100.0    # OpenAI's range for logit_bias values: [-100, 100]
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's StructuredOutputsParams): exactly one of
+
+    json: a JSON schema (a dict, or its JSON text) the output must validate against;
+    json_object: any JSON object;
+    regex: a regular expression the whole output must match (Rust regex syntax: no look-around,
+        no backreferences);
+    choice: the output is exactly one of these strings;
+    grammar: a context-free grammar, in Lark syntax or GBNF (llama.cpp's), as llguidance takes it.
+
+    disable_any_whitespace: JSON comes out with fixed separators (", " and ": ", no newlines),
+        the default here, because free whitespace lets a small model loop on blank space; set it
+        False to allow any whitespace between JSON tokens.
+    disable_additional_properties: objects in the schema that do not say otherwise get
+        "additionalProperties": false (JSON Schema's own default allows extra keys).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        given = self.kinds
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(given) if given else 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [k for k in _CONSTRAINT_KINDS
+                if (getattr(self, k) is not None and getattr(self, k) is not False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+    def key(self) -> str:
+        """A canonical text of the constraint: equal keys compile to the same grammar."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                           self.disable_additional_properties], sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "StructuredOutputsParams":
+        """From a request's JSON object (the HTTP API's structured_outputs field)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be an object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**value)
 
 
 @dataclass(slots=True)
@@ -33,8 +113,15 @@ class SamplingParams:
     logprobs: int | None = None          # top-N logprobs per generated token (0: the sampled token only)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
+    # Constraints on the next token, applied before everything else (sample/constraints.py):
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None   # only these may be generated
+    bad_words: list[str] | None = None           # words that must never be generated
     # Filled by the engine: EOS ids from generation_config/tokenizer (not user-facing).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: bad_words as token sequences (each word with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,7 +130,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._validate()
+        self._validate_constraints()
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -96,6 +188,37 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.n > 1 and self.temperature == 0:
             raise bad("n", "must be 1 with greedy sampling (temperature 0)")
+
+    def _validate_constraints(self) -> None:
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+                        or abs(bias) > LOGIT_BIAS_LIMIT):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                                     f"for token {token}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(t) or t < 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative token ids, "
+                                 f"got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """Whether anything but the grammar restricts or shifts the next token's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

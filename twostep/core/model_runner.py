@@ -145,11 +145,7 @@ class ModelRunner:
                 logits[row:row + count], targets, req.params.prompt_logprobs)
         sampling = list(rows.sample_index.items())
         if sampling:
-            sample_rows = [
-                SamplingRow(items[i].request.params, items[i].request.prompt_token_ids,
-                            items[i].request.output_token_ids, items[i].request.generator)
-                for i, _ in sampling
-            ]
+            sample_rows = [_sampling_row(items[i]) for i, _ in sampling]
             picked = logits[torch.tensor([r for _, r in sampling], device=logits.device)]
             out = self.sampler(picked, sample_rows)
             for k, (i, _) in enumerate(sampling):
@@ -166,9 +162,15 @@ class ModelRunner:
             s, req = items[i], items[i].request
             drafts.append(DraftRow(
                 SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator),
-                s.spec_token_ids, s.spec_draft_probs))
+                s.spec_token_ids, s.spec_draft_probs, s.token_bitmask))
             picked.extend(range(row, row + s.num_tokens))
         verified = self.rejection_sampler(logits[torch.tensor(picked, device=logits.device)], drafts)
         for i, v in zip(verify_rows, verified):
             results[i].token_ids, results[i].num_accepted = v.token_ids, v.num_accepted
             results[i].logprobs = v.logprobs
+
+
+def _sampling_row(s: ScheduledRequest) -> SamplingRow:
+    req = s.request
+    mask = None if s.token_bitmask is None else s.token_bitmask[0]
+    return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, mask)

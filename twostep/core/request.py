@@ -13,6 +13,7 @@ import torch
 
 from twostep.outputs import RequestMetrics
 from twostep.sampling_params import SamplingParams
+from twostep.structured_output.grammar import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +43,9 @@ class Request:
     # and the distributions a draft model drew them from ([k, V]; None for n-gram lookup).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None
+    # Structured outputs: the grammar state after output_token_ids (kept through preemption,
+    # since a preempted request keeps its tokens and only recomputes their K/V).
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

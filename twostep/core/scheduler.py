@@ -98,6 +98,9 @@ class Scheduler:
             s.block_ids = self.kv.block_ids(s.request.request_id)
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
+            grammar = s.request.grammar
+            if grammar is not None and (s.spec_token_ids or s.completes_known_tokens):
+                s.token_bitmask = grammar.bitmask(s.spec_token_ids)
         return out
 
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
@@ -205,18 +208,21 @@ class Scheduler:
             request.num_prompt_logprobs += len(result.prompt_logprobs)
         # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.
         new_tokens: list[int] = []
-        stop = None
+        on_token = False     # ended by an EOS or stop token (whose text is not output)
         for token in result.token_ids:
             request.append_token(token)
             new_tokens.append(token)
             stop = check_stop(request, token)
+            on_token = stop is not None and stop[0] == "stop"
+            if stop is None and request.grammar is not None:
+                stop = _advance_grammar(request, token)
             if stop is not None:
                 self._finish(request, *stop)
                 break
         return EngineCoreOutput(rid, new_tokens,
                                 result.logprobs[:len(new_tokens)] if result.logprobs else None,
                                 result.prompt_logprobs, request.finish_reason, request.stop_reason,
-                                stopped_on_token=stop is not None and stop[0] == "stop")
+                                stopped_on_token=on_token)
 
     # ---- finishing, drafts, the cache's figures ------------------------------------------
 
@@ -263,8 +269,12 @@ class Scheduler:
 
     def update_draft_token_ids(self, requests: list[Request],
                                drafts: list[tuple[list[int], torch.Tensor | None]]) -> None:
-        """The proposer's drafts ride on the requests to the next step, which verifies them."""
+        """The proposer's drafts ride on the requests to the next step, which verifies them. A
+        constrained request keeps only the drafts its grammar accepts (the rest could never be)."""
         for request, (tokens, probs) in zip(requests, drafts, strict=True):
+            if request.grammar is not None:
+                valid = request.grammar.valid_prefix(tokens)
+                tokens, probs = tokens[:valid], None if probs is None else probs[:valid]
             request.spec_token_ids, request.spec_draft_probs = tokens, probs
 
     @property
@@ -281,3 +291,15 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+
+def _advance_grammar(request: Request, token: int) -> tuple[str, int | str | None] | None:
+    """Feed a kept token to the request's grammar; the request ends when the grammar is complete
+    (nothing but EOS could follow), or, as a safeguard, when the grammar refuses the token."""
+    if not request.grammar.accept(token):
+        logger.warning("request %s: token %d breaks its structured-output grammar; ending it",
+                       request.request_id, token)
+        return "abort", "grammar"
+    if request.grammar.is_terminated:
+        return "stop", None
+    return None

@@ -19,6 +19,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step
     spec_draft_probs: torch.Tensor | None = None              # their draft distributions [k, V]
     block_ids: list[int] = field(default_factory=list)        # its block table, set by the scheduler
+    # Structured outputs: tokens allowed at each sampled position ([1 + drafts, W]), set by the
+    # scheduler when this step samples for a constrained request.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_known_tokens(self) -> int:

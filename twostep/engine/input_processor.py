@@ -14,6 +14,7 @@ from twostep.engine.parallel_sampling import ParentRequest, child_params
 from twostep.outputs import RequestMetrics, SpecDecodeStats
 from twostep.sample.sampler import make_generator
 from twostep.sampling_params import SamplingParams
+from twostep.structured_output.compiler import GrammarCompiler
 from twostep.tokenizer.tokenizer import Tokenizer
 
 PromptInput = str | list[int]
@@ -41,9 +42,10 @@ class ModelLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, config: EngineConfig, limits: ModelLimits,
-                 device: torch.device, speculative: bool) -> None:
+                 device: torch.device, speculative: bool, grammars: GrammarCompiler) -> None:
         self.tokenizer, self.config, self.limits = tokenizer, config, limits
         self.device, self.speculative = device, speculative
+        self.grammars = grammars
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """A conversation through the model's chat template, as token ids."""
@@ -55,6 +57,10 @@ class InputProcessor:
         self._check_params(params)
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
+        if params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)   # compiles (cached), or raises
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
         if params.n == 1:
             return ProcessedPrompt(text, [self._make_request(request_id, ids, params, arrival_time)])
         parent = ParentRequest(request_id, params.n)
@@ -74,7 +80,20 @@ class InputProcessor:
                                    spec_decode=SpecDecodeStats() if self.speculative else None),
             generator=make_generator(params.seed, self.device),
             max_total_tokens=min(limit, max_len),
+            grammar=(None if params.structured_outputs is None
+                     else self.grammars.grammar(params.structured_outputs)),
         )
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the token sequences it can be generated as: at the start of the text
+        and after a space (vLLM's rule), without duplicates."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -88,9 +107,12 @@ class InputProcessor:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: limits that depend on the model and engine."""
         vocab, c = self.limits.vocab_size, self.config
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > c.max_logprobs:

@@ -25,6 +25,7 @@ from twostep.platforms import get_platform, resolve_device, resolve_dtype
 from twostep.sample.sampler import Sampler
 from twostep.sampling_params import SamplingParams
 from twostep.spec_decode.proposer import make_proposer
+from twostep.structured_output.compiler import GrammarCompiler
 from twostep.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
         limits = ModelLimits(t.config.vocab_size, self.max_model_len, self.kv_plan.num_tokens,
                              frozenset(self.eos_token_ids))
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, t.config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, config, limits, self.device,
-                                              speculative=self.proposer is not None)
+                                              speculative=self.proposer is not None,
+                                              grammars=self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.tracer: StepTracer | None = None          # set by enable_tracing()
         self._pending: list[RequestOutput] = []        # aborts' final outputs, for the next step()

@@ -29,6 +29,7 @@ class DraftRow:
     row: SamplingRow                         # the request's params, history and generator
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None = None  # [k, V] from a draft model; None: point masses
+    token_bitmask: torch.Tensor | None = None  # structured outputs: [k + 1, W], one per position
 
 
 @dataclass(slots=True)
@@ -38,10 +39,13 @@ class Verified:
     logprobs: list[PositionLogprobs] | None = None
 
 
-def position_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
-    """The sampling row of each verified position: its history includes the drafts before it."""
+def position_rows(row: SamplingRow, drafts: list[int],
+                  token_bitmask: torch.Tensor | None = None) -> list[SamplingRow]:
+    """The sampling row of each verified position: its history includes the drafts before it,
+    and its grammar bitmask (when constrained) is the one after those drafts."""
     return [SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids + drafts[:i],
-                        row.generator) for i in range(len(drafts) + 1)]
+                        row.generator, None if token_bitmask is None else token_bitmask[i])
+            for i in range(len(drafts) + 1)]
 
 
 class RejectionSampler:
@@ -50,7 +54,7 @@ class RejectionSampler:
 
     def __call__(self, logits: torch.Tensor, drafts: list[DraftRow]) -> list[Verified]:
         """logits: [sum(k_i + 1), V], each request's k_i + 1 positions in order."""
-        rows = [r for d in drafts for r in position_rows(d.row, d.draft_token_ids)]
+        rows = [r for d in drafts for r in position_rows(d.row, d.draft_token_ids, d.token_bitmask)]
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} verified positions")
         raw = logits.float()

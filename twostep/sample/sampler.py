@@ -7,6 +7,9 @@ The input tensor is never modified.
 
 Per row, in this order:
 
+0. Constraints (sample/constraints.py): the grammar's bitmask (structured outputs),
+   ``allowed_token_ids`` and ``bad_words`` set the logits of tokens that may not come next to
+   ``-inf``; ``logit_bias`` is added.
 1. ``min_tokens``: while ``len(output_token_ids) < min_tokens``, the logits of
    ``all_stop_token_ids`` (the EOS ids) and ``stop_token_ids`` are set to ``-inf``.
 2. Penalties. ``repetition_penalty`` (HF/CTRL style) over every distinct token in
@@ -14,7 +17,7 @@ Per row, in this order:
    multiplied by it. Then ``presence_penalty`` and ``frequency_penalty`` (OpenAI
    style) over the output tokens only:
    ``logit -= presence * (count > 0) + frequency * count``.
-   Steps 1 and 2 are :func:`apply_penalties`.
+   Steps 0 to 2 are :func:`apply_penalties`.
 3. Greedy rows (``temperature < GREEDY_TEMPERATURE``, i.e. 0 in practice; tinier
    temperatures would only overflow the division): argmax of the penalised
    logits, ties to the lowest token id.
@@ -61,6 +64,7 @@ from itertools import chain
 import torch
 
 from twostep.outputs import Logprob, PositionLogprobs
+from twostep.sample.constraints import apply_constraints
 from twostep.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (as vLLM does with its _SAMPLING_EPS).
@@ -82,6 +86,8 @@ class SamplingRow:
     # Per-request generator seeded from params.seed (see make_generator);
     # None -> the Sampler's default generator.
     generator: torch.Generator | None = None
+    # Structured outputs: the tokens the grammar allows next, packed int32 [ceil(V / 32)].
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -164,11 +170,15 @@ def _apply_presence_frequency_(logits: torch.Tensor, rows: list[SamplingRow], wh
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Steps 1 and 2 of the module docstring: min_tokens, then repetition, presence
+    """Steps 0 to 2 of the module docstring: constraints, min_tokens, then repetition, presence
     and frequency penalties. Returns a new tensor, or ``logits`` itself when no row
     needs any change; never modifies ``logits``."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+    return _apply_penalties(apply_constraints(logits, rows), rows)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     blocks = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pres_freq = [i for i, r in enumerate(rows)

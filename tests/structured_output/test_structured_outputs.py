@@ -1,0 +1,137 @@
+"""Structured outputs on the default real model (SmolLM2-135M-Instruct, the packaged GGUF): every
+constrained output parses and validates, greedy and sampled, alone and batched with free requests,
+with n > 1, through preemption and with n-gram speculation."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from conftest import smollm_path
+from schemas import SCHEMAS
+from twostep.entrypoints.llm import LLM
+from twostep.sampling_params import SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+EMAIL = r"[a-z]{2,8}@(example|mail)\.(com|org)"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+def _llm(**kw) -> LLM:
+    return LLM(str(smollm_path()), dtype="float32", kv_cache_memory=kw.pop("kv_cache_memory", "256MiB"), **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _llm()
+
+
+def _chat(llm: LLM, question: str) -> dict:
+    ids = llm.engine.input_processor.encode_chat([{"role": "user", "content": question}])
+    return {"prompt_token_ids": ids}
+
+
+def _schema_params(schema: dict, **kw) -> SamplingParams:
+    so = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), structured_outputs=so, **kw)
+
+
+def _check_json(text: str, schema: dict, finish_reason: str) -> None:
+    assert finish_reason == "stop", f"did not finish ({finish_reason}): {text!r}"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def _schema_requests(llm: LLM, **kw):
+    names = sorted(SCHEMAS)
+    prompts = [_chat(llm, f"Write a JSON value for '{n}' matching this schema: {json.dumps(SCHEMAS[n])}")
+               for n in names]
+    return names, prompts, [_schema_params(SCHEMAS[n], **kw) for n in names]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_p=0.95, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_every_schema_validates(llm, sampling):
+    names, prompts, params = _schema_requests(llm, **sampling)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for name, schema, out in zip(names, [SCHEMAS[n] for n in names], outs):
+        c = out.outputs[0]
+        _check_json(c.text, schema, c.finish_reason)
+
+
+def test_regex_and_choice_hold_on_every_sample_with_n4(llm):
+    prompts = [_chat(llm, "Give an email address."), _chat(llm, "Is 'I love it' positive or negative?")]
+    params = [SamplingParams(n=4, temperature=1.2, seed=3, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=EMAIL)),
+              SamplingParams(n=4, temperature=1.2, seed=3, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(choice=CHOICES))]
+    email, choice = llm.generate(prompts, params, use_tqdm=False)
+    assert len(email.outputs) == len(choice.outputs) == 4
+    for c in email.outputs:
+        assert re.fullmatch(EMAIL, c.text), c.text
+        assert c.finish_reason == "stop"
+    for c in choice.outputs:
+        assert c.text in CHOICES
+    assert len({c.text for c in email.outputs}) > 1, "four seeded samples should not all be equal"
+
+
+def test_json_n4_every_child_validates(llm):
+    schema = SCHEMAS["movie"]
+    out = llm.generate([_chat(llm, "Describe a movie as JSON.")],
+                       _schema_params(schema, n=4, temperature=1.0, seed=11), use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    for c in out.outputs:
+        _check_json(c.text, schema, c.finish_reason)
+
+
+def test_mixed_batch_of_16_leaves_free_requests_alone(llm):
+    free_prompt = "The capital of France is"
+    free = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate([free_prompt], free, use_tqdm=False)[0].outputs[0].text
+    names = sorted(SCHEMAS)[:8]
+    prompts, params = [], []
+    for i in range(16):
+        if i % 2:
+            prompts.append(free_prompt)
+            params.append(free)
+        else:
+            n = names[i // 2]
+            prompts.append(_chat(llm, f"JSON for {n}"))
+            params.append(_schema_params(SCHEMAS[n], temperature=0.8, seed=i))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        if i % 2:
+            assert c.text == alone     # the masks of other rows never touch a free row
+        else:
+            _check_json(c.text, SCHEMAS[names[i // 2]], c.finish_reason)
+
+
+def test_preempted_requests_keep_their_grammar():
+    llm = _llm(kv_cache_memory="8MiB", max_num_seqs=12)   # ~180 tokens: a few requests, not 12
+    names = sorted(SCHEMAS)[:12]
+    prompts = [_chat(llm, f"JSON for {n}") for n in names]
+    params = [_schema_params(SCHEMAS[n], temperature=0.7, seed=5) for n in names]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["num_preemptions"] > 0, "the cache should be small enough to preempt"
+    for name, out in zip(names, outs):
+        c = out.outputs[0]
+        _check_json(c.text, SCHEMAS[name], c.finish_reason)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=2)], ids=["greedy", "sampled"])
+def test_ngram_speculation_keeps_constraints(llm, sampling):
+    spec = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    names, prompts, params = _schema_requests(spec, **sampling)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    for name, out in zip(names, outs):
+        c = out.outputs[0]
+        _check_json(c.text, SCHEMAS[name], c.finish_reason)
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if sampling["temperature"] == 0:   # greedy: speculation changes nothing
+        plain = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
