@@ -117,6 +117,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat template (chat_template_kwargs.chat_template); "
                         "a template is code the server runs: only for trusted clients")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read tool calls out of the model\'s output (needs '
+                        "--tool-call-parser)")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, and the fallback "
+                        "for templates without tools), llama3_json (Llama 3.1/3.2), mistral, pythonic "
+                        "(Llama 3.2/4)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are already waiting")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -173,7 +181,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_name(args), template, args.max_queued_requests,
                           args.request_timeout, api_key, args.api_key_for_metrics,
                           args.max_request_body_bytes, args.trust_request_chat_template,
-                          model_aliases=(args.model,) if args.model else ())
+                          model_aliases=(args.model,) if args.model else (),
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
     rc = run_server(engine, config, args.host, args.port, log_level=args.log_level,

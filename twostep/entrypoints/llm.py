@@ -42,10 +42,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or several, through the chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or several, through the chat template.
+        tools: OpenAI-style tool definitions the template states to the model (a template without a
+        tool section gets them in the system message, see tokenizer/tool_prompt.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt)}
+        extra = {"tools": tools} if tools else {}
+        prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt,
+                                                                                **extra)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

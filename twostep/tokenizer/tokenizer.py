@@ -16,6 +16,8 @@ from typing import Any, Iterable
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from twostep.tokenizer.tool_prompt import messages_with_tools, template_reads_tools
+
 # Named special tokens that transformers hands to chat templates as variables.
 SPECIAL_TOKEN_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -265,6 +267,8 @@ class Tokenizer:
             for tool in tools:
                 if not isinstance(tool, dict):
                     raise TypeError(f"tools must be JSON-schema dicts, got {type(tool).__name__}")
+            if tools and not template_reads_tools(template_text):   # see tokenizer/tool_prompt.py
+                chat, tools = messages_with_tools(chat, tools), None
         variables = {**self.special_tokens_map, **kwargs}
         return _compile_template(template_text).render(
             messages=chat, tools=tools, documents=documents,

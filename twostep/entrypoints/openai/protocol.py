@@ -7,17 +7,49 @@ is a valid float).
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from twostep.sampling_params import SamplingParams
+from twostep.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None      # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise ValueError('response_format {"type": "json_schema"} needs "json_schema": '
+                             '{"name": ..., "schema": {...}}')
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
+
+# vLLM's older names for structured outputs, and the field of StructuredOutputsParams each maps to.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class _SamplingFields(BaseModel):
@@ -44,17 +76,49 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and its older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request gives, under whichever name."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.response_format is not None:
+            c = self.response_format.constraint()
+            if c is not None:
+                given["response_format"] = c
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = StructuredOutputsParams.from_dict(self.structured_outputs)
+        for name, kind in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = StructuredOutputsParams(**{kind: value})
+        if len(given) > 1:
+            raise ValueError(f"give one structured-output constraint, not several: {', '.join(given)}")
+        return next(iter(given.values()), None)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids as JSON strings) as integers."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            out[int(key)] = bias
+        return out
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Unset fields fall back to the model's generation_config defaults, as in vLLM."""
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """Unset fields fall back to the model's generation_config defaults, as in vLLM.
+        constraint: one the server derived (a tool choice) instead of the request's own."""
         pick = lambda value, default: default if value is None else value  # noqa: E731
         return SamplingParams(
             n=self.n, temperature=pick(self.temperature, defaults.temperature),
@@ -67,6 +131,8 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint or self.constraint(), logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
         )
 
 
@@ -94,6 +160,31 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
@@ -106,40 +197,44 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
-
-
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them: text content parts joined into one string."""
+    """The messages as the chat template reads them: text content parts joined into one string,
+    and an assistant's tool calls with their arguments as objects (templates write them with
+    tojson; OpenAI sends them as JSON text)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(d.get("content"), list):   # [{"type": "text", "text": ...}, ...]
             parts = d["content"]
             if any(p.get("type") != "text" for p in parts):
                 raise ValueError("only text content parts are supported")
             d["content"] = "".join(p.get("text", "") for p in parts)
+        if d.get("tool_calls"):
+            d["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                               for j, call in enumerate(d["tool_calls"])]
         out.append(d)
     return out
+
+
+def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                         f"\"arguments\"}}}}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {arguments[:80]!r}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class TokenizeRequest(BaseModel):

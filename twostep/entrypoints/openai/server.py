@@ -35,8 +35,11 @@ from twostep.entrypoints.openai.responses import (ChatCompletionResponse, Comple
                                                   DetokenizeResponse, ErrorResponse, ModelList,
                                                   TokenizeResponse)
 from twostep.entrypoints.openai.serving import Choice
+from twostep.entrypoints.openai.tool_choice import ToolChoiceError, ToolPlan, plan_tools
+from twostep.entrypoints.openai.tool_parsers import (TOOL_PARSERS, StreamDelta, ToolCallStreamer,
+                                                     extract_tool_calls, get_tool_parser)
 from twostep.outputs import RequestOutput
-from twostep.sampling_params import SamplingParams
+from twostep.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,19 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False    # chat_template_kwargs may carry a template
     model_aliases: tuple[str, ...] = ()          # other names requests may use (--model as given)
+    enable_auto_tool_choice: bool = False        # tool_choice "auto": parse calls out of the output
+    tool_call_parser: str | None = None          # --tool-call-parser: hermes, llama3_json, mistral, pythonic
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             f"({', '.join(sorted(TOOL_PARSERS))})")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)    # an unknown name fails at start-up
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 @dataclass
@@ -385,6 +401,7 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
     _check_logprobs(state, "logprobs", body.logprobs)
     params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
+    await _compile_constraint(state, params)
     _check_fan_out(state, len(prompts), body.n)
     prompt_ids = await _prompt_ids(state, prompts)
     note = "" if "max_tokens" in body.model_fields_set else " (the default)"
@@ -510,24 +527,63 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     _check_characters(state, sum(len(m.content) if isinstance(m.content, str) else
                                  sum(len(str(p.get("text", ""))) for p in m.content or [])
                                  for m in body.messages), "messages")
-    ids = await _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    try:
+        plan = plan_tools(body, state.config.auto_tool_parser)
+    except ToolChoiceError as e:
+        raise APIError(400, str(e), e.param) from None
+    ids = await _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                             plan.template_tools)
     _check_length(state, ids, max_tokens, "messages")
-    params = _params(state, body, max_tokens, top if body.logprobs else None, None)
+    params = _params(state, body, max_tokens, top if body.logprobs else None, None, plan.constraint)
+    if plan.parser is not None and plan.parser.needs_special_tokens:
+        params.skip_special_tokens = False       # the call markup is a special token
+    await _compile_constraint(state, params)
     batch = _Batch(state, "chatcmpl")
     await batch.add([ids], params)
     if body.stream:
-        return _sse(_chat_stream(state, body, batch, top))
+        return _sse(_chat_stream(state, body, batch, top, plan))
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
     tok = state.tokenizer
-    data = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+    data = [{"index": c.index, **_chat_message(c, plan),
              "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok))
-             if body.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+             if body.logprobs else None, "stop_reason": c.stop_reason} for c in choices]
     return {"id": batch.id, "object": "chat.completion", "created": serving.now(),
             "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
 
 
-async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _Batch, top: int):
+def _chat_message(c: Choice, plan: ToolPlan) -> dict:
+    """The assistant message and finish_reason of one choice, with the calls read out of its text."""
+    message = {"role": "assistant", "content": c.text}
+    if plan.parser is None:
+        return {"message": message, "finish_reason": c.finish_reason}
+    content, calls = extract_tool_calls(plan.parser, c.text)
+    calls = calls[:plan.max_calls] if plan.max_calls is not None else calls
+    if not calls:
+        return {"message": message, "finish_reason": c.finish_reason}
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [{"id": t.id, "type": "function",
+                               "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
+    return {"message": message, "finish_reason": _tool_finish(c.finish_reason)}
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+async def _compile_constraint(state: ServerState, params: SamplingParams) -> None:
+    """Compile the request's grammar in a worker thread (cached: the engine's own compile of it is
+    then a lookup), so a long compile never holds up the engine's steps; a bad one is a 400."""
+    so = params.structured_outputs
+    if so is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.engine.grammar_compiler.grammar, so)
+    except ValueError as e:
+        raise APIError(400, str(e), "structured_outputs") from None
+
+
+async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _Batch, top: int,
+                       plan: ToolPlan):
     tok = state.tokenizer
     head = {"id": batch.id, "object": "chat.completion.chunk", "created": serving.now(),
             "model": state.model_name}
@@ -537,6 +593,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
     done: set[int] = set()
     sent: dict[int, int] = {}
     token_texts: dict[int, serving.TokenTexts] = {}
+    streamers: dict[int, ToolCallStreamer] = {}
     last: dict[int, Choice] = {}
     cached, prompt_ids = [0], [[]]
     async for _, out in batch.outputs():
@@ -553,13 +610,31 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
             if body.logprobs and new:
                 lp = serving.chat_logprobs(tok, new, c.logprobs[len(c.logprobs) - len(new):], top,
                                            token_texts.setdefault(c.index, serving.TokenTexts(tok)))
-            if c.finish_reason:
+            finish = c.finish_reason
+            if finish:
                 done.add(c.index)
-            delta = {"content": c.delta_text} if c.delta_text or not c.finish_reason else {}
+            if plan.parser is None:
+                delta = {"content": c.delta_text} if c.delta_text or not finish else {}
+            else:
+                streamer = streamers.setdefault(c.index, ToolCallStreamer(plan.parser, plan.max_calls))
+                delta = _tool_delta(streamer.feed(c.delta_text, final=bool(finish)))
+                if finish and streamer.has_calls:
+                    finish = _tool_finish(finish)
+                if not delta and not finish and lp is None:
+                    continue
             yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                                        "finish_reason": finish, "stop_reason": c.stop_reason}]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**head, "choices": [], "usage": serving.usage(list(last.values()), prompt_ids, cached)}
+
+
+def _tool_delta(d: StreamDelta) -> dict:
+    delta: dict = {}
+    if d.content:
+        delta["content"] = d.content
+    if d.tool_calls:
+        delta["tool_calls"] = d.tool_calls
+    return delta
 
 
 # ---- shared ----------------------------------------------------------------------------------
@@ -571,7 +646,7 @@ def _check_logprobs(state: ServerState, field: str, value: int | None) -> None:
 
 
 async def _encode_chat(state: ServerState, messages, add_generation_prompt: bool,
-                       template_kwargs: dict | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     """Messages through the chat template, rendered in a worker thread (a template is code: the event
     loop never runs it); what is wrong with them (empty, non-text parts, a template that raises) is
     a 400 naming messages."""
@@ -580,6 +655,8 @@ async def _encode_chat(state: ServerState, messages, add_generation_prompt: bool
     kwargs = _template_kwargs(state, template_kwargs)
     if state.config.chat_template is not None:
         kwargs.setdefault("chat_template", state.config.chat_template)
+    if tools:
+        kwargs["tools"] = tools
     try:
         return await asyncio.to_thread(state.tokenizer.encode_chat, messages_as_dicts(messages),
                                        add_generation_prompt, **kwargs)
@@ -646,12 +723,13 @@ def _check_length(state: ServerState, ids: list[int], max_tokens: int | None, fi
                             f"shorten the {field} or lower max_tokens", "max_tokens")
 
 
-def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
+def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs,
+            constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
         return body.sampling_params(state.engine.engine.default_sampling_params(), max_tokens,
-                                    logprobs, prompt_logprobs)
+                                    logprobs, prompt_logprobs, constraint)
     except ValueError as e:
-        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+        raise APIError(400, str(e), str(e).split(" ")[0].split(".")[0]) from None
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -1,0 +1,91 @@
+"""What a chat request's tools and tool_choice mean for generation, as vLLM serves them:
+
+- no tools, or tool_choice "none": plain content (tools, if any, still go to the template);
+- "auto" (the default when tools are given): the model decides; the server's
+  --tool-call-parser reads calls out of its text, so "auto" needs --enable-auto-tool-choice;
+- "required": structured outputs force a JSON array of one or more calls
+  ``[{"name": ..., "parameters": {...}}]``, each valid for its tool's parameter schema;
+- a named function: structured outputs force that function's arguments object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twostep.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from twostep.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolsParser, ToolParser,
+                                                     get_tool_parser)
+from twostep.sampling_params import StructuredOutputsParams
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+class ToolChoiceError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    parser: ToolParser | None = None                  # reads calls out of the output; None: content only
+    constraint: StructuredOutputsParams | None = None  # forces the calls' JSON (required / named)
+    max_calls: int | None = None                      # 1 with parallel_tool_calls false
+    template_tools: list[dict] | None = None          # the tools as the chat template sees them
+
+
+def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
+    """auto_parser: the server's --tool-call-parser when --enable-auto-tool-choice is on."""
+    tools, choice = body.tools or [], body.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolChoiceError("tool_choice needs tools", "tool_choice")
+        return ToolPlan()
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolChoiceError(f"tools have duplicate function names: {sorted(names)}", "tools")
+    max_calls = None if body.parallel_tool_calls else 1
+    if choice is None or choice == "auto":
+        if auto_parser is None:
+            raise ToolChoiceError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                  "--tool-call-parser to be set on the server", "tool_choice")
+        return ToolPlan(get_tool_parser(auto_parser), None, max_calls, template_tools)
+    if choice == "none":
+        return ToolPlan(None, None, None, template_tools)
+    if _constrained(body):
+        raise ToolChoiceError(f"tool_choice {_describe(choice)} cannot be combined with response_format "
+                              "or structured_outputs", "tool_choice")
+    if choice == "required":
+        return ToolPlan(RequiredToolsParser(), StructuredOutputsParams(json=required_schema(tools, max_calls)),
+                        max_calls, template_tools)
+    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise ToolChoiceError(f"tool_choice names function {choice.function.name!r}, which is not in "
+                              f"tools ({', '.join(names)})", "tool_choice")
+    return ToolPlan(NamedToolParser(tool.function.name), StructuredOutputsParams(json=_parameters(tool)),
+                    1, template_tools)
+
+
+def required_schema(tools: list[ChatTool], max_calls: int | None) -> dict:
+    """One or more calls, each a tool's name with arguments valid for its parameters."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
+
+
+def _parameters(tool: ChatTool) -> dict:
+    return tool.function.parameters or _NO_ARGUMENTS
+
+
+def _constrained(body: ChatCompletionRequest) -> bool:
+    return (body.response_format is not None and body.response_format.type != "text") or any(
+        getattr(body, f) is not None for f in
+        ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
+
+def _describe(choice: str | NamedToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
