@@ -32,9 +32,9 @@ def has_constraints(row: ConstrainedRow) -> bool:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed int32 ``[..., W]`` -> bool ``[..., vocab_size]`` (True: allowed)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(-2)[..., :vocab_size].bool()
+    bits = torch.ones(32, dtype=torch.int32, device=bitmask.device) << torch.arange(
+        32, dtype=torch.int32, device=bitmask.device)     # 1 << 31 is the int32 sign bit
+    return (bitmask.unsqueeze(-1) & bits).ne(0).flatten(-2)[..., :vocab_size]
 
 
 def apply_constraints(logits: torch.Tensor, rows: list[ConstrainedRow]) -> torch.Tensor:
@@ -55,9 +55,12 @@ def _apply_bitmasks_(logits: torch.Tensor, rows: list[ConstrainedRow], which: li
         return
     dev = logits.device
     packed = torch.stack([rows[i].token_bitmask for i in masked]).to(dev)
-    allowed = unpack_bitmask(packed, logits.shape[1])
-    idx = torch.tensor(masked, device=dev)
-    logits[idx] = logits[idx].masked_fill(~allowed, _NEG_INF)
+    banned = unpack_bitmask(packed, logits.shape[1]).logical_not_()
+    if len(masked) == len(rows):
+        logits.masked_fill_(banned, _NEG_INF)
+    else:
+        idx = torch.tensor(masked, device=dev)
+        logits[idx] = logits[idx].masked_fill(banned, _NEG_INF)
 
 
 def _apply_row_(row_logits: torch.Tensor, row: ConstrainedRow) -> None:
