@@ -180,6 +180,23 @@ def test_named_function_gives_its_arguments(client):
     _valid_call(call)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_closes_open_schemas(client, strict):
+    open_tool = {"type": "function", "function": {"name": "get_weather", "strict": strict, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    keys = set()
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=[open_tool], temperature=1.0, seed=seed,
+                                           max_tokens=120, tool_choice={"type": "function",
+                                                                        "function": {"name": "get_weather"}})
+        if r.choices[0].finish_reason == "tool_calls":
+            keys |= set(json.loads(r.choices[0].message.tool_calls[0].function.arguments))
+    if strict:
+        assert keys == {"city"}
+    else:
+        assert "city" in keys     # open: extra keys are allowed (this model adds some)
+
+
 def test_auto_with_hermes_reads_a_tool_call_block(client):
     # The model's output is forced to a <tool_call> block (a choice constraint): the parser must read it.
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0,

@@ -109,8 +109,9 @@ def test_mixed_batch_of_16_leaves_free_requests_alone(llm):
             _check_json(c.text, SCHEMAS[names[i // 2]], c.finish_reason)
 
 
-def test_preempted_requests_keep_their_grammar():
-    llm = _llm(kv_cache_memory="8MiB", max_num_seqs=12)   # ~180 tokens: a few requests, not 12
+def test_preempted_and_chunked_requests_keep_their_grammar():
+    # ~180 tokens of cache: a few requests, not 12; prompts of ~35 tokens prefill in chunks of 16
+    llm = _llm(kv_cache_memory="8MiB", max_num_seqs=12, max_num_batched_tokens=16)
     names = sorted(SCHEMAS)[:12]
     prompts = [_chat(llm, f"JSON for {n}") for n in names]
     params = [_schema_params(SCHEMAS[n], temperature=0.7, seed=5) for n in names]

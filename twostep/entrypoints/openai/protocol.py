@@ -26,7 +26,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None      # the schema is always enforced, strict or not
+    strict: bool | None = None      # the schema is always enforced; strict also closes its objects
 
 
 class ResponseFormat(BaseModel):
@@ -44,7 +44,9 @@ class ResponseFormat(BaseModel):
         if self.json_schema is None:
             raise ValueError('response_format {"type": "json_schema"} needs "json_schema": '
                              '{"name": ..., "schema": {...}}')
-        return StructuredOutputsParams(json=self.json_schema.json_schema)
+        # strict: OpenAI's structured outputs close every object (no keys the schema does not name)
+        return StructuredOutputsParams(json=self.json_schema.json_schema,
+                                       disable_additional_properties=bool(self.json_schema.strict))
 
 
 # vLLM's older names for structured outputs, and the field of StructuredOutputsParams each maps to.

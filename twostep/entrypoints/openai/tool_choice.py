@@ -6,6 +6,9 @@
 - "required": structured outputs force a JSON array of one or more calls
   ``[{"name": ..., "parameters": {...}}]``, each valid for its tool's parameter schema;
 - a named function: structured outputs force that function's arguments object.
+
+A tool with ``"strict": true`` (OpenAI's strict function calling) also gets its objects closed: no
+argument keys its schema does not name.
 """
 from __future__ import annotations
 
@@ -56,14 +59,15 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
         raise ToolChoiceError(f"tool_choice {_describe(choice)} cannot be combined with response_format "
                               "or structured_outputs", "tool_choice")
     if choice == "required":
-        return ToolPlan(RequiredToolsParser(), StructuredOutputsParams(json=required_schema(tools, max_calls)),
-                        max_calls, template_tools)
+        constraint = StructuredOutputsParams(json=required_schema(tools, max_calls),
+                                             disable_additional_properties=all(t.function.strict for t in tools))
+        return ToolPlan(RequiredToolsParser(), constraint, max_calls, template_tools)
     tool = next((t for t in tools if t.function.name == choice.function.name), None)
     if tool is None:
         raise ToolChoiceError(f"tool_choice names function {choice.function.name!r}, which is not in "
                               f"tools ({', '.join(names)})", "tool_choice")
-    return ToolPlan(NamedToolParser(tool.function.name), StructuredOutputsParams(json=_parameters(tool)),
-                    1, template_tools)
+    constraint = StructuredOutputsParams(json=_parameters(tool), disable_additional_properties=bool(tool.function.strict))
+    return ToolPlan(NamedToolParser(tool.function.name), constraint, 1, template_tools)
 
 
 def required_schema(tools: list[ChatTool], max_calls: int | None) -> dict:
