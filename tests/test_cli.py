@@ -59,3 +59,13 @@ def test_help_renders(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert "--max-num-batched-tokens" in capsys.readouterr().out
+
+
+def test_serve_takes_the_model_positionally_as_vllm_does(capsys):
+    from twostep.cli import main
+
+    assert main(["serve", "a-model", "--model", "another"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("twostep ")

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from twostep import __version__
 from twostep.config import QUANTIZATION_METHODS, EngineConfig
 from twostep.sampling_params import SamplingParams
 
@@ -100,6 +101,13 @@ def _generate_parser(sub) -> None:
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as in `vllm serve MODEL` (same as --model)")
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="accepted for vLLM command lines; twostep always runs eagerly (no graphs to capture)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -176,6 +184,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import ServerConfig, run_server
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     api_key = args.api_key or os.environ.get("TWOSTEP_API_KEY") or os.environ.get("VLLM_API_KEY")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     config = ServerConfig(served_model_name(args), template, args.max_queued_requests,
@@ -186,7 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           tool_call_parser=args.tool_call_parser)
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
-    rc = run_server(engine, config, args.host, args.port, log_level=args.log_level,
+    rc = run_server(engine, config, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level,
                     graceful_timeout=args.shutdown_grace_period)
     if tracer is not None:   # the engine thread has stopped: the trace is complete
         tracer.write(args.trace)
@@ -259,6 +271,7 @@ def spec_summary(stats) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twostep", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"twostep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)

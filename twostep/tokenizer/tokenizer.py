@@ -256,12 +256,17 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            chat_template: str | None = None, **kwargs) -> str:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
         """Render `messages` to prompt text. Extra keyword arguments become template variables
-        (e.g. enable_thinking=False) and override the special-token variables."""
+        (e.g. enable_thinking=False) and override the special-token variables.
+        continue_final_message: the text ends right after the last message's content (no end of
+        turn), so the model continues that message (a prefilled reply)."""
         template_text = self.get_chat_template(chat_template, tools)
         if not messages:
             raise ValueError("cannot apply a chat template to an empty list of messages")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         chat = [_prepare_message(m) for m in messages]
         if tools is not None:
             for tool in tools:
@@ -270,14 +275,17 @@ class Tokenizer:
             if tools and not template_reads_tools(template_text):   # see tokenizer/tool_prompt.py
                 chat, tools = messages_with_tools(chat, tools), None
         variables = {**self.special_tokens_map, **kwargs}
-        return _compile_template(template_text).render(
+        text = _compile_template(template_text).render(
             messages=chat, tools=tools, documents=documents,
             add_generation_prompt=add_generation_prompt, **variables)
+        return _cut_after_final_message(text, chat[-1]) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Prompt ids for a chat. The template already writes BOS etc., so no special tokens are added."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, **kwargs) -> list[int]:
+        """Prompt ids for a chat. The template already writes BOS etc., so by default no special
+        tokens are added."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 # ---------------------------------------------------------------------- decode stream
@@ -360,6 +368,21 @@ class TokenStream:
 
 
 # ---------------------------------------------------------------------- jinja
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """The rendered chat up to the end of the last message's content (what follows it is the
+    template's end of turn)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    for needle in (content, content.strip()):
+        at = text.rfind(needle)
+        if at != -1:
+            return text[:at + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the last message's content")
 
 
 def _prepare_message(message: Any) -> dict:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), validated by pydantic.
 
-Unknown fields are refused (extra="forbid"), as OpenAI does. Fields OpenAI defines that we
-do not implement are accepted only at their neutral value, so a client never gets silently
-different behaviour. Types are strict: "16" is not a number and "yes" not a boolean (an integer
-is a valid float).
+A completions or chat request may carry fields this server does not know (OpenAI's SDKs send `store`,
+`metadata`, `service_tier`, ...): as in vLLM they are ignored, and the server logs them and names them
+in the response's `x-ignored-fields` header. Fields that would change the result and are not
+implemented (beam search, legacy `functions`, audio) are refused with a 400 instead, so nothing that
+matters is dropped silently. Nested objects stay strict (extra="forbid"). Types are strict: "16" is
+not a number and "yes" not a boolean (an integer is a valid float).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -87,6 +89,38 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's request extras
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
+    priority: int = 0
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    # would change the result and are not implemented: refused, never dropped
+    use_beam_search: bool = False
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, v):
+        if v:
+            raise ValueError("use_beam_search is not supported (twostep samples; no beam search)")
+        return v
+
+    @field_validator("priority")
+    @classmethod
+    def _fcfs_only(cls, v):
+        if v != 0:
+            raise ValueError("priority other than 0 needs priority scheduling, which this server does not "
+                             "run (first come, first served)")
+        return v
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the request this server does not know (ignored, as vLLM does)."""
+        return sorted(self.model_extra or {})
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """truncate_prompt_tokens: only the prompt's last k tokens (vLLM's left truncation)."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k is not None and len(ids) > k else ids
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request gives, under whichever name."""
@@ -145,6 +179,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True      # vLLM: BOS etc. as the tokenizer adds them
 
     @field_validator("suffix")
     @classmethod
@@ -204,6 +239,38 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extras
+    add_special_tokens: bool = False     # the template writes BOS etc. itself
+    continue_final_message: bool = False  # the last (assistant) message stays open: the model continues it
+    echo: bool = False                   # the reply starts with that last message when it is the assistant's
+    documents: list[dict[str, Any]] | None = None   # for templates with a documents (RAG) section
+    # OpenAI's legacy function calling and audio: not implemented
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, v):
+        if v is not None:
+            raise ValueError("functions and function_call (OpenAI's legacy function calling) are not "
+                             "supported: send tools and tool_choice")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and any(m != "text" for m in v):
+            raise ValueError("only the text modality is supported")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v):
+        if v is not None:
+            raise ValueError("audio output is not supported")
+        return v
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -60,12 +60,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None   # with prompt_logprobs (vLLM)
 
 
 class CompletionResponse(BaseModel):
@@ -127,3 +134,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None   # with prompt_logprobs (vLLM)
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -31,9 +31,10 @@ from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.metrics import ServerMetrics
 from twostep.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, TokenizeRequest, messages_as_dicts)
+from twostep import __version__ as TWOSTEP_VERSION
 from twostep.entrypoints.openai.responses import (ChatCompletionResponse, CompletionResponse,
-                                                  DetokenizeResponse, ErrorResponse, ModelList,
-                                                  TokenizeResponse)
+                                                  DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                                                  TokenizeResponse, VersionResponse)
 from twostep.entrypoints.openai.serving import Choice
 from twostep.entrypoints.openai.tool_choice import ToolChoiceError, ToolPlan, plan_tools
 from twostep.entrypoints.openai.tool_parsers import (TOOL_PARSERS, StreamDelta, ToolCallStreamer,
@@ -270,10 +271,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
     async def models():
-        e = state.engine.engine
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": serving.now(), "owned_by": "twostep",
-            "root": state.model_name, "max_model_len": e.max_model_len}]}
+        return {"object": "list", "data": [_model_card(state)]}
 
     @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}, **_errors(400, 404, 413)})
     async def tokenize(body: TokenizeRequest):
@@ -297,13 +295,45 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=None,
               responses={**_json_or_events(CompletionResponse), **_errors(400, 404, 413, 503)})
-    async def completions(body: CompletionRequest, raw: Request):
-        return await _completions(state, body, raw)
+    async def completions(body: CompletionRequest, raw: Request, response: Response):
+        return _note_ignored(body, response, await _completions(state, body, raw))
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={**_json_or_events(ChatCompletionResponse), **_errors(400, 404, 413, 503)})
-    async def chat(body: ChatCompletionRequest, raw: Request):
-        return await _chat(state, body, raw)
+    async def chat(body: ChatCompletionRequest, raw: Request, response: Response):
+        return _note_ignored(body, response, await _chat(state, body, raw))
+
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses={200: {"model": ModelCard},
+                                                                       **_errors(404)})
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.get("/version", response_model=None, responses={200: {"model": VersionResponse}})
+    async def version():
+        return {"version": TWOSTEP_VERSION}
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": serving.now(), "owned_by": "twostep",
+            "root": state.model_name, "max_model_len": state.engine.engine.max_model_len}
+
+
+_MAX_NAMED_FIELDS = 20    # an x-ignored-fields header names at most this many (64 characters each)
+
+
+def _note_ignored(body, response: Response, result):
+    """Fields the request sent that this server does not know: logged, and named in a header
+    (ASCII: other characters as JSON escapes)."""
+    fields = body.ignored_fields()
+    if fields:
+        names = [json.dumps(f[:64])[1:-1] for f in fields[:_MAX_NAMED_FIELDS]]
+        if len(fields) > _MAX_NAMED_FIELDS:
+            names.append(f"... ({len(fields) - _MAX_NAMED_FIELDS} more)")
+        logger.warning("ignored request fields: %s", ", ".join(names))
+        headers = result.headers if isinstance(result, Response) else response.headers
+        headers["x-ignored-fields"] = ", ".join(names)
+    return result
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -317,9 +347,9 @@ def _check_model(state: ServerState, model: str | None) -> None:
 class _Batch:
     """The engine requests of one HTTP request, sharing one output queue."""
 
-    def __init__(self, state: ServerState, prefix: str) -> None:
+    def __init__(self, state: ServerState, prefix: str, request_id: str | None = None) -> None:
         self.state = state
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{prefix}-{request_id or uuid.uuid4().hex}"   # vLLM's request_id names the response
         self.sink: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
@@ -398,16 +428,19 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens 0 is only allowed with echo", "max_tokens")
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # echo-only: drop the token later
+    _check_prompt_logprobs(state, body)
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.prompt_logprobs is not None:
+        prompt_lps = max(body.prompt_logprobs, prompt_lps or 0)
     _check_logprobs(state, "logprobs", body.logprobs)
     params = _params(state, body, max_tokens, body.logprobs, prompt_lps)
     await _compile_constraint(state, params)
     _check_fan_out(state, len(prompts), body.n)
-    prompt_ids = await _prompt_ids(state, prompts)
+    prompt_ids = [body.truncate(ids) for ids in await _prompt_ids(state, prompts, body.add_special_tokens)]
     note = "" if "max_tokens" in body.model_fields_set else " (the default)"
     for ids in prompt_ids:
         _check_length(state, ids, max_tokens, "prompt", note)
-    batch = _Batch(state, "cmpl")
+    batch = _Batch(state, "cmpl", body.request_id)
     await batch.add(prompt_ids, params)
     if body.stream:
         return _sse(_completion_stream(state, body, batch))
@@ -429,9 +462,14 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
                 prompt_lps = batch.prompt_logprobs[c.index // body.n] or [None] * len(c.prompt_token_ids)
                 ids = c.prompt_token_ids + ids
                 entries = list(prompt_lps) + entries
-            lp = serving.completion_logprobs(tok, ids, entries, serving.TokenTexts(tok))
-        data.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason})
+            lp = serving.completion_logprobs(tok, ids, entries, serving.TokenTexts(tok),
+                                             body.return_tokens_as_token_ids)
+        choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = serving.prompt_logprobs(
+                tok, c.prompt_token_ids, batch.prompt_logprobs[c.index // body.n], body.prompt_logprobs)
+        data.append(choice)
     return {"id": batch.id, "object": "text_completion", "created": serving.now(),
             "model": state.model_name, "choices": data,
             "usage": serving.usage(choices, prompt_ids, cached)}
@@ -493,7 +531,7 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, batch:
                 entries_ids += new
                 entries += (c.logprobs or [])[len(c.logprobs or []) - len(new):] if new else []
                 texts = token_texts.setdefault(index, serving.TokenTexts(tok))
-                lp = serving.completion_logprobs(tok, entries_ids, entries, texts)
+                lp = serving.completion_logprobs(tok, entries_ids, entries, texts, body.return_tokens_as_token_ids)
             if not text and not new and not c.finish_reason:
                 continue
             choices[index] = Choice(index=index, prompt_token_ids=out.prompt_token_ids,
@@ -531,24 +569,49 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
         plan = plan_tools(body, state.config.auto_tool_parser)
     except ToolChoiceError as e:
         raise APIError(400, str(e), e.param) from None
-    ids = await _encode_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                             plan.template_tools)
+    _check_prompt_logprobs(state, body)
+    ids = body.truncate(await _encode_chat(state, body.messages, body.add_generation_prompt,
+                                           body.chat_template_kwargs, plan.template_tools, body))
     _check_length(state, ids, max_tokens, "messages")
-    params = _params(state, body, max_tokens, top if body.logprobs else None, None, plan.constraint)
+    params = _params(state, body, max_tokens, top if body.logprobs else None, body.prompt_logprobs,
+                     plan.constraint)
     if plan.parser is not None and plan.parser.needs_special_tokens:
         params.skip_special_tokens = False       # the call markup is a special token
     await _compile_constraint(state, params)
-    batch = _Batch(state, "chatcmpl")
+    batch = _Batch(state, "chatcmpl", body.request_id)
     await batch.add([ids], params)
     if body.stream:
         return _sse(_chat_stream(state, body, batch, top, plan))
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
     tok = state.tokenizer
+    echo = _echoed(body)
+    for c in choices:
+        c.text = echo + c.text
     data = [{"index": c.index, **_chat_message(c, plan),
-             "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok))
+             "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok),
+                                               body.return_tokens_as_token_ids)
              if body.logprobs else None, "stop_reason": c.stop_reason} for c in choices]
-    return {"id": batch.id, "object": "chat.completion", "created": serving.now(),
-            "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
+    response = {"id": batch.id, "object": "chat.completion", "created": serving.now(),
+                "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = serving.prompt_logprobs(tok, prompt_ids[0], batch.prompt_logprobs[0],
+                                                              body.prompt_logprobs)
+    return response
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the reply starts with the last message when it is the assistant's."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant":
+        return ""
+    content = last.content
+    return content if isinstance(content, str) else "".join(str(p.get("text", "")) for p in content or [])
+
+
+def _check_prompt_logprobs(state: ServerState, body) -> None:
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is not supported with stream: true", "prompt_logprobs")
+    _check_logprobs(state, "prompt_logprobs", body.prompt_logprobs)
 
 
 def _chat_message(c: Choice, plan: ToolPlan) -> dict:
@@ -588,7 +651,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
     head = {"id": batch.id, "object": "chat.completion.chunk", "created": serving.now(),
             "model": state.model_name}
     for j in range(body.n):
-        yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+        yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": _echoed(body)},
                                     "logprobs": None, "finish_reason": None}]}
     done: set[int] = set()
     sent: dict[int, int] = {}
@@ -609,7 +672,8 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
             lp = None
             if body.logprobs and new:
                 lp = serving.chat_logprobs(tok, new, c.logprobs[len(c.logprobs) - len(new):], top,
-                                           token_texts.setdefault(c.index, serving.TokenTexts(tok)))
+                                           token_texts.setdefault(c.index, serving.TokenTexts(tok)),
+                                           body.return_tokens_as_token_ids)
             finish = c.finish_reason
             if finish:
                 done.add(c.index)
@@ -646,7 +710,8 @@ def _check_logprobs(state: ServerState, field: str, value: int | None) -> None:
 
 
 async def _encode_chat(state: ServerState, messages, add_generation_prompt: bool,
-                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                       body: ChatCompletionRequest | None = None) -> list[int]:
     """Messages through the chat template, rendered in a worker thread (a template is code: the event
     loop never runs it); what is wrong with them (empty, non-text parts, a template that raises) is
     a 400 naming messages."""
@@ -657,9 +722,16 @@ async def _encode_chat(state: ServerState, messages, add_generation_prompt: bool
         kwargs.setdefault("chat_template", state.config.chat_template)
     if tools:
         kwargs["tools"] = tools
+    special = False
+    if body is not None:
+        special = body.add_special_tokens
+        if body.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if body.documents is not None:
+            kwargs["documents"] = body.documents
     try:
         return await asyncio.to_thread(state.tokenizer.encode_chat, messages_as_dicts(messages),
-                                       add_generation_prompt, **kwargs)
+                                       add_generation_prompt, special, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # a template that raises on these messages (raise_exception)
@@ -680,7 +752,8 @@ def _template_kwargs(state: ServerState, kwargs: dict | None) -> dict:
     return out
 
 
-async def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+async def _prompt_ids(state: ServerState, prompts: list[str | list[int]],
+                      add_special_tokens: bool = True) -> list[list[int]]:
     """Every prompt as token ids, tokenized in a worker thread. A text too long to fit in
     max_model_len tokens whatever it says is refused by its length alone, before any work."""
     for p in prompts:
@@ -690,7 +763,7 @@ async def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> lis
             _check_characters(state, len(p), "prompt")
     tok = state.tokenizer
     texts = [p for p in prompts if isinstance(p, str)]
-    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, True) if texts else [])
+    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens) if texts else [])
     return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 

@@ -45,10 +45,17 @@ class TokenTexts:
         return texts, offsets
 
 
+def token_label(tokenizer: Tokenizer, token_id: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or with return_tokens_as_token_ids "token_id:N"."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
 def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
-                        entries: list[PositionLogprobs | None], texts: TokenTexts) -> dict:
+                        entries: list[PositionLogprobs | None], texts: TokenTexts, as_ids: bool = False) -> dict:
     """OpenAI's legacy completions logprobs: parallel lists, first prompt token's logprob None."""
     tokens, offsets = texts.next(token_ids)
+    if as_ids:
+        tokens = [f"token_id:{t}" for t in token_ids]
     token_lps, tops = [], []
     for tid, entry in zip(token_ids, entries):
         if entry is None:
@@ -56,23 +63,41 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
             tops.append(None)
             continue
         token_lps.append(entry[tid].logprob if tid in entry else None)
-        tops.append({token_text(tokenizer, k): v.logprob for k, v in
+        tops.append({token_label(tokenizer, k, as_ids): v.logprob for k, v in
                      sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
-                  top_n: int, texts: TokenTexts) -> dict:
+                  top_n: int, texts: TokenTexts, as_ids: bool = False) -> dict:
     content = []
     tokens, _ = texts.next(token_ids)
     for tid, text, entry in zip(token_ids, tokens, entries):
         ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))[:top_n]
+        label = f"token_id:{tid}" if as_ids else text
         content.append({
-            "token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": token_text(tokenizer, k), "logprob": v.logprob,
+            "token": label, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": token_label(tokenizer, k, as_ids), "logprob": v.logprob,
                               "bytes": list(token_text(tokenizer, k).encode())} for k, v in ranked],
         })
     return {"content": content}
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[PositionLogprobs | None] | None,
+                    top_n: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top_n most likely."""
+    entries = entries or [None] * len(prompt_ids)
+    out: list[dict | None] = []
+    for tid, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))
+        keep = [(k, v) for k, v in ranked if k == tid] + [(k, v) for k, v in ranked if k != tid][:top_n]
+        out.append({str(k): {"logprob": v.logprob, "rank": v.rank, "decoded_token": token_text(tokenizer, k)}
+                    for k, v in keep})
+    return out
 
 
 def usage(choices: list[Choice], prompts: list[list[int]], cached: list[int]) -> dict:
