@@ -9,6 +9,8 @@ from pathlib import Path
 
 from twostep import __version__
 from twostep.config import QUANTIZATION_METHODS, EngineConfig
+from twostep.config.engine import canonical_dtype
+from twostep.config.kv_cache_dtype import canonical_kv_dtype
 from twostep.sampling_params import SamplingParams
 
 
@@ -16,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=None,
                    help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, type=canonical_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="also fp32/float, bf16, fp16/half")
     p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                    help="weights: default keeps the checkpoint's format (a GGUF file's quantized types "
                         "stay packed); none: dequantize a GGUF at load; int8 (per output channel) / int4 "
@@ -31,9 +34,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="reuse the KV blocks of shared prompt prefixes (default: on)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, type=canonical_kv_dtype,
                    choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto = the model's dtype; 8-bit formats hold ~2x the tokens")
+                   help="KV cache storage: auto = the model's dtype; 8-bit formats hold ~2x the tokens "
+                        "(fp8 = fp8_e4m3, as in vLLM)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's: the fraction of the device's memory (CPU: the machine's) for the weights "
+                        "and the KV cache together; the cache gets what the loaded weights leave")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer (HF folder or hub id) other than the model's")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="the most logprobs / prompt_logprobs one request may ask for")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -76,7 +84,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+        tokenizer=args.tokenizer,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
     )

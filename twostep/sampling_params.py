@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters (vLLM-shaped), validated on creation."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -110,9 +111,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None          # top-N logprobs per generated token (0: the sampled token only)
+    logprobs: int | None = None          # top-N logprobs per generated token (0: the sampled token only;
+                                         # -1: as many as the engine allows, max_logprobs)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True   # accepted (vLLM); fast tokenizers decide spacing
+    detokenize: bool = True                      # False: token ids only, no text (no stop strings)
+    truncate_prompt_tokens: int | None = None    # keep only the prompt's last k tokens
+    extra_args: dict | None = None               # carried along for callers' own use (vLLM's)
     # Constraints on the next token, applied before everything else (sample/constraints.py):
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
@@ -175,8 +181,13 @@ class SamplingParams:
             raise bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "must be >= 0, or -1 for the most the engine allows")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "must be a positive integer or null")
+        if not self.detokenize and self.stop:
+            raise bad("stop", "needs detokenize=True (stop strings are matched in the text)")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
         # seed + index seeds the n children; torch takes seeds in [0, 2**64).
@@ -186,8 +197,6 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.n > 1 and self.temperature == 0:
-            raise bad("n", "must be 1 with greedy sampling (temperature 0)")
 
     def _validate_constraints(self) -> None:
         so = self.structured_outputs
@@ -214,6 +223,10 @@ class SamplingParams:
                     not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's clone): nothing in it is shared with this one."""
+        return copy.deepcopy(self)
 
     @property
     def has_token_constraints(self) -> bool:

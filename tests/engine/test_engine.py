@@ -27,7 +27,7 @@ def finish_all(engine, ids):
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(min_p=1.5), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-2), "logprobs"),
     (dict(logprobs=1.5), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_p=float("nan")), "top_p"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(seed=1.5), "seed"),

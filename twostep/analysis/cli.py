@@ -7,7 +7,7 @@ import argparse
 from twostep.analysis.analyze import DEFAULT_BATCH_SIZES, DEFAULT_PROMPT_LENGTHS, analyze
 from twostep.analysis.hardware import edit_hardware, find_hardware, hardware_names
 from twostep.analysis.model_presets import MODEL_PRESETS
-from twostep.analysis.number_formats import KV_FORMATS, format_names
+from twostep.analysis.number_formats import KV_FORMATS, find_format, format_names
 from twostep.analysis.plot import plot_roofline
 from twostep.analysis.report import format_report, to_json
 
@@ -24,9 +24,10 @@ def add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=float, default=None,
                    help="memory bandwidth in GB/s, replacing the preset's")
     p.add_argument("--memory", default=None, help='memory for weights + KV, e.g. "80GB" or "24GiB"')
-    p.add_argument("--dtype", default="auto", choices=["auto", *format_names()],
-                   help="weight format, setting b (default: the checkpoint's own)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", *format_names(KV_FORMATS)],
+    p.add_argument("--dtype", default="auto", type=_format_name, choices=["auto", *format_names()],
+                   help="weight format, setting b (default: the checkpoint's own; float32/bfloat16/"
+                        "float16 spellings too)")
+    p.add_argument("--kv-dtype", default="auto", type=_format_name, choices=["auto", *format_names(KV_FORMATS)],
                    help="KV cache format (default: the weights' float type, bf16 for 8/4-bit weights)")
     p.add_argument("--params", type=float, default=None,
                    help="N to use instead of the count from the config, e.g. 7.615e9")
@@ -128,3 +129,13 @@ def _measured_hardware():
     return Hardware("measured", f"this machine, measured ({c.threads} threads)",
                     c.matmul_gflops["bfloat16"] * 1e9, c.read_bandwidth_gbs * 1e9, total,
                     "twostep bench ceilings, run now")
+
+
+def _format_name(text: str) -> str:
+    """A format as analyze names it, from any of its spellings (bfloat16 -> bf16, fp8_e4m3 -> fp8)."""
+    if text == "auto":
+        return text
+    try:
+        return find_format(text).name
+    except ValueError:
+        return text          # argparse's choices then name what is accepted

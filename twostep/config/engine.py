@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.config.kv_cache_dtype import kv_format
+from twostep.config.kv_cache_dtype import canonical_kv_dtype, kv_format
 from twostep.config.speculative import SpeculativeConfig
 
 # --quantization (vLLM's flag): kept here with the other choices the config checks
@@ -19,6 +19,14 @@ def check_quantization(method: str | None) -> None:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Other spellings of the dtypes (vLLM's and PyTorch's): every entry point accepts them.
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "half": "float16"}
+
+
+def canonical_dtype(name: str) -> str:
+    """A dtype name as twostep spells it (float32, bfloat16, float16, auto)."""
+    return DTYPE_ALIASES.get(name, name)
 
 
 @dataclass(slots=True)
@@ -47,8 +55,15 @@ class EngineConfig:
     num_threads: int | None = None         # torch intra-op threads on CPU
     # Speculative decoding: a SpeculativeConfig, its dict or JSON text (--speculative-config).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's: the fraction of the device's (CPU: the machine's) memory for weights + KV cache
+    gpu_memory_utilization: float | None = None
+    tokenizer: str | None = None           # a tokenizer folder other than the model's own
 
     def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)
+        self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

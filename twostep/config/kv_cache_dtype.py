@@ -40,7 +40,17 @@ KV_FORMATS = {
 }
 
 
+# vLLM's and PyTorch's other spellings: fp8 is fp8_e4m3 (vLLM's default fp8 KV), bf16 bfloat16, ...
+KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16",
+              "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def canonical_kv_dtype(name: str) -> str:
+    return KV_ALIASES.get(name, name)
+
+
 def kv_format(name: str) -> KVFormat:
+    name = canonical_kv_dtype(name)
     if name not in KV_FORMATS:
         raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_FORMATS)}")
     return KV_FORMATS[name]

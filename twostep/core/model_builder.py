@@ -35,6 +35,9 @@ class CacheSpec:
     memory: str | int | None = None            # else a byte budget ("2GiB")
     memory_fraction: float = 0.25              # else this fraction of free memory,
     max_num_seqs: int = 64                     # capped at what this many full-length sequences use
+    # vLLM's gpu_memory_utilization: this fraction of the device's (CPU: the machine's) memory for
+    # everything this process holds, weights included; the KV cache gets what the weights leave
+    memory_utilization: float | None = None
 
 
 @dataclass(slots=True)
@@ -133,7 +136,7 @@ def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cach
     fmt = kv_format(cache.kv_cache_dtype)
     per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
     plan = plan_kv_cache(per_token, cache.block_size, device, cache.memory, cache.memory_fraction,
-                         cache.max_num_seqs * max_model_len, cache.num_blocks)
+                         cache.max_num_seqs * max_model_len, cache.num_blocks, cache.memory_utilization)
     dtype_name = str(dtype).removeprefix("torch.")
     if fmt.quantized:
         plain = kv_format("auto").bytes_per_token(config.num_layers, config.num_kv_heads,

@@ -54,8 +54,11 @@ class InputProcessor:
     def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
                 arrival_time: float) -> ProcessedPrompt:
         """Raises ValueError naming what is wrong with the prompt or params."""
+        params = self._resolve(params)
         self._check_params(params)
         text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         self._check_prompt(ids)
         if params.structured_outputs is not None:
             self.grammars.grammar(params.structured_outputs)   # compiles (cached), or raises
@@ -83,6 +86,12 @@ class InputProcessor:
             grammar=(None if params.structured_outputs is None
                      else self.grammars.grammar(params.structured_outputs)),
         )
+
+    def _resolve(self, params: SamplingParams) -> SamplingParams:
+        """What the request's own values stand for here: logprobs -1 is the engine's max_logprobs."""
+        if params.logprobs == -1:
+            return dataclasses.replace(params, logprobs=self.config.max_logprobs)
+        return params
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences it can be generated as: at the start of the text

@@ -45,12 +45,13 @@ class LLMEngine:
                       attention_backend=config.attention_backend, quantization=config.quantization),
             CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
                       config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
-                      config.max_num_seqs),
+                      config.max_num_seqs, config.gpu_memory_utilization),
             sampler)
         t = target
         self.model_path, self.model_config, self.max_model_len = t.path, t.config, t.max_model_len
         self.model, self.runner, self.kv_plan = t.model, t.runner, t.kv_plan
-        self.tokenizer = _make_tokenizer(t.tokenizer_source)
+        self.tokenizer = _make_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
+                                         else t.tokenizer_source)
         self.generation_config = t.generation_config
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
                     min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)

@@ -97,6 +97,12 @@ class OutputProcessor:
         self._finish(state, finish_reason, stop_reason, time.monotonic())
         return self._make_output(state, None)
 
+    def _decode_logprob_tokens(self, entry: PositionLogprobs) -> None:
+        """Fill each Logprob's decoded_token (the token's own text, special tokens included)."""
+        for token_id, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _add_tokens(self, state: RequestState, core: EngineCoreOutput, now: float) -> str | None:
         """Take in the step's tokens in order; the stop string one of them completes, if any (the
         tokens after it are dropped)."""
@@ -111,10 +117,13 @@ class OutputProcessor:
             state.output_token_ids.append(token)
             logprobs = core.new_logprobs[j] if core.new_logprobs else None
             if logprobs is not None:
+                self._decode_logprob_tokens(logprobs)
                 state.logprobs.append(logprobs)
                 state.cumulative_logprob += logprobs[token].logprob
             if j == last and core.stopped_on_token:
                 break                            # EOS or a stop token id: not part of the text
+            if not p.detokenize:
+                continue                         # token ids only (vLLM's detokenize=False)
             past_min = len(state.output_token_ids) >= p.min_tokens
             matched = state.detokenizer.update([token], check_stop=past_min)
             if past_min and matched is not None:

@@ -15,13 +15,34 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    """vLLM's arguments are accepted: model, tokenizer (an HF folder or hub id), dtype, seed,
+    max_model_len, quantization, gpu_memory_utilization and the other EngineConfig fields;
+    trust_remote_code (twostep never runs a checkpoint's code: its own decoder covers the
+    architectures it lists, any other is refused by name), enforce_eager (twostep always runs
+    eagerly), and tensor_parallel_size 1 (one process)."""
+
+    def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, **engine_args) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: this engine runs in one process "
+                             "(tensor_parallel_size 1)")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, deque[RequestOutput]] = {}
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine underneath."""
+        return self.engine
+
     def get_tokenizer(self):
-        return self.tokenizer
+        """The Hugging Face tokenizer, as vLLM's LLM.get_tokenizer returns it (a
+        PreTrainedTokenizerFast over the same tokenizer, with its special tokens and chat template)."""
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = self.tokenizer.to_hf()
+        return self._hf_tokenizer
+
+    _hf_tokenizer = None
 
     def get_stats(self) -> dict:
         """Engine counters: tokens prefilled and decoded, preemptions, prefix-cache queries,
@@ -43,12 +64,22 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or several, through the chat template.
-        tools: OpenAI-style tool definitions the template states to the model (a template without a
-        tool section gets them in the system message, see tokenizer/tool_prompt.py)."""
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or several, through the chat template
+        (the model's, or chat_template: a template's text or name). tools: OpenAI-style tool
+        definitions the template states to the model (a template without a tool section gets them
+        in the system message, see tokenizer/tool_prompt.py). continue_final_message: the model
+        continues the last (assistant) message; pass add_generation_prompt=False with it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        extra = {"tools": tools} if tools else {}
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        if chat_template is not None:
+            extra["chat_template"] = chat_template
+        if continue_final_message:
+            extra["continue_final_message"] = True
         prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt,
                                                                                 **extra)}
                    for c in conversations]

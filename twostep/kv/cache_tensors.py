@@ -3,6 +3,7 @@ tensor per layer (K at index 0, V at 1)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -63,16 +64,41 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
 
 
+def total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_memory(device: torch.device) -> int:
+    """What this process holds on the device now (CPU: its resident set)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def plan_kv_cache(bytes_per_token: int, block_size: int, device: torch.device,
                   kv_cache_memory: str | int | None, memory_fraction: float,
-                  max_useful_tokens: int, num_blocks_override: int | None = None) -> KVCachePlan:
-    """Blocks from an explicit budget, or from a fraction of free memory capped at what
-    max_num_seqs sequences of max_model_len tokens could ever use."""
+                  max_useful_tokens: int, num_blocks_override: int | None = None,
+                  memory_utilization: float | None = None) -> KVCachePlan:
+    """Blocks from an explicit budget; or, with memory_utilization (vLLM's gpu_memory_utilization),
+    from that fraction of the device's memory less what the process already holds (the weights);
+    or from a fraction of free memory capped at what max_num_seqs sequences of max_model_len tokens
+    could ever use."""
     bytes_per_block = bytes_per_token * block_size
     if num_blocks_override is not None:
         return KVCachePlan(num_blocks_override, block_size, bytes_per_token)
     if kv_cache_memory is not None:
         budget = parse_bytes(kv_cache_memory)
+    elif memory_utilization is not None:
+        held = process_memory(device)
+        budget = int(total_memory(device) * memory_utilization) - held
+        if budget < bytes_per_block:
+            raise ValueError(f"gpu_memory_utilization {memory_utilization} of {total_memory(device) / 2**30:.1f} "
+                             f"GiB leaves no room for the KV cache after the {held / 2**20:.0f} MiB this "
+                             "process holds (the weights); raise it or pass --kv-cache-memory")
+        budget = min(budget, -(-max_useful_tokens // block_size) * bytes_per_block)
     else:
         budget = int(available_memory(device) * memory_fraction)
         budget = min(budget, -(-max_useful_tokens // block_size) * bytes_per_block)

@@ -280,6 +280,15 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt, **variables)
         return _cut_after_final_message(text, chat[-1]) if continue_final_message else text
 
+    def to_hf(self):
+        """This tokenizer as a transformers PreTrainedTokenizerFast (what vLLM hands out), sharing
+        the token table, special tokens and chat template."""
+        from transformers import PreTrainedTokenizerFast
+
+        template = self.chat_template
+        return PreTrainedTokenizerFast(tokenizer_object=self.backend, chat_template=template,
+                                       **self.special_tokens_map)
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, **kwargs) -> list[int]:
         """Prompt ids for a chat. The template already writes BOS etc., so by default no special

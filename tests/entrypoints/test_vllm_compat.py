@@ -1,0 +1,93 @@
+"""A script written as a vLLM user writes it runs with only the import changed; vLLM's arguments,
+SamplingParams fields and dtype spellings are taken (tiny model)."""
+from __future__ import annotations
+
+import pytest
+
+from twostep import LLM, SamplingParams   # vLLM: from vllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(model=folder, tokenizer=folder, dtype="fp32", seed=0, max_model_len=128, trust_remote_code=True,
+               enforce_eager=True, tensor_parallel_size=1, gpu_memory_utilization=0.5, max_num_seqs=8)
+
+
+def test_a_vllm_users_script(llm):
+    prompts = ["Hello, my name is", "The capital of France is"]
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=1, logprobs=-1)
+    outputs = llm.generate(prompts, sampling_params)
+    for prompt, output in zip(prompts, outputs):
+        assert output.prompt == prompt
+        completion = output.outputs[0]
+        assert len(completion.token_ids) == len(completion.logprobs) >= 1
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry and len(entry) >= 20          # -1: the engine's max_logprobs (20)
+            assert all(lp.decoded_token == llm.get_tokenizer().decode([t]) for t, lp in entry.items())
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=5),
+                    chat_template_kwargs={"unused": True})
+    assert chat[0].outputs[0].token_ids
+    assert llm.llm_engine is llm.engine
+
+
+def test_get_tokenizer_is_hugging_faces(llm):
+    import transformers
+
+    tok = llm.get_tokenizer()
+    assert isinstance(tok, transformers.PreTrainedTokenizerFast)
+    assert tok.encode("Lily loved to play", add_special_tokens=False) == llm.tokenizer.encode(
+        "Lily loved to play", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        llm.tokenizer.apply_chat_template(messages)
+    assert tok.eos_token == "</s>"
+
+
+def test_sampling_params_of_vllm(llm):
+    same = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert len(same.outputs) == 3 and len({tuple(c.token_ids) for c in same.outputs}) == 1
+    prompt = list(range(5, 40))
+    cut = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                    truncate_prompt_tokens=10))[0]
+    last = llm.generate({"prompt_token_ids": prompt[-10:]},
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == last.outputs[0].token_ids
+    raw = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                         detokenize=False))[0].outputs[0]
+    assert raw.text == "" and len(raw.token_ids) == 5
+    p = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, extra_args={"tag": 1},
+                       spaces_between_special_tokens=False)
+    q = p.clone()
+    assert q == p and q.stop is not p.stop and q.logit_bias is not p.logit_bias
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_arguments_that_cannot_apply_say_so(folder):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        LLM(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(folder, gpu_memory_utilization=1e-6)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(folder, gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("spelling,canonical", [("fp32", "float32"), ("float", "float32"), ("bf16", "bfloat16"),
+                                                ("fp16", "float16"), ("half", "float16")])
+def test_dtype_spellings(spelling, canonical):
+    import argparse
+
+    from twostep.cli import add_engine_args
+    from twostep.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args(["--dtype", spelling]).dtype == canonical
+    assert EngineConfig(dtype=spelling).dtype == canonical
+    assert p.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig(kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
