@@ -83,6 +83,11 @@ def test_poisson_arrivals_are_seeded_with_the_requested_mean():
 
 # ---- SSE -----------------------------------------------------------------------------------------
 
+def test_base_url_may_end_in_v1():
+    assert serve.server_root("http://h:8000/v1") == serve.server_root("http://h:8000/v1/") == "http://h:8000"
+    assert serve.server_root("http://h:8000/") == "http://h:8000"
+
+
 def test_sse_parsing_of_a_split_byte_stream():
     events = [
         {"choices": [{"index": 0, "text": "Hel", "finish_reason": None}]},
@@ -186,8 +191,8 @@ def test_bench_serve_end_to_end(server_url, capsys, tmp_path):
 
 
 def test_bench_serve_chat_poisson_and_failures(server_url, capsys):
-    # chat endpoint, Poisson arrivals, the vLLM table
-    assert main(["bench", "serve", "--base-url", server_url, "--endpoint", "/v1/chat/completions",
+    # chat endpoint, Poisson arrivals, the vLLM table; a base URL ending in /v1 as OpenAI clients write it
+    assert main(["bench", "serve", "--base-url", server_url + "/v1/", "--endpoint", "/v1/chat/completions",
                  "--dataset", "fixed", "--num-prompts", "4", "--input-len", "6", "--output-len", "4",
                  "--request-rate", "20"]) == 0
     out = capsys.readouterr().out

@@ -35,6 +35,15 @@ def test_a_vllm_users_script(llm):
     assert llm.llm_engine is llm.engine
 
 
+def test_vllm_prompt_types(llm):
+    from twostep.inputs import TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text, tokens = llm.generate([TextPrompt(prompt="Once upon a time"),
+                                 TokensPrompt(prompt_token_ids=llm.tokenizer.encode("Once upon a time"))], params)
+    assert text.outputs[0].token_ids == tokens.outputs[0].token_ids
+
+
 def test_get_tokenizer_is_hugging_faces(llm):
     import transformers
 

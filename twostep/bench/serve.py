@@ -334,7 +334,8 @@ def first_model(base_url: str, api_key: str | None = None) -> str:
 # ---- the command -------------------------------------------------------------------------------
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's root URL (a trailing /v1, as OpenAI clients write it, is fine)")
     p.add_argument("--endpoint", default="/v1/completions",
                    help="/v1/completions (prompts as token ids) or /v1/chat/completions "
                         "(prompts as synthetic text of input-len words)")
@@ -372,9 +373,16 @@ def build_workload(args: argparse.Namespace) -> list[workloads.BenchRequest]:
     return workloads.fixed(n, args.input_len, args.output_len, args.vocab_size, args.workload_seed)
 
 
+def server_root(base_url: str) -> str:
+    """The server's root from --base-url, which may end in /v1 as OpenAI clients' base URLs do."""
+    root = base_url.rstrip("/")
+    return root[:-len("/v1")] if root.endswith("/v1") else root
+
+
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    args.base_url = server_root(args.base_url)
     requests = build_workload(args)
     model = args.model or first_model(args.base_url, args.api_key)
     timings, duration = asyncio.run(run_benchmark(
