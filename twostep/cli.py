@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's: the fraction of the device's memory (CPU: the machine's) for the weights "
                         "and the KV cache together; the cache gets what the loaded weights leave")
     p.add_argument("--tokenizer", default=None, help="a tokenizer (HF folder or hub id) other than the model's")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                   help="priority: requests with a lower priority value are admitted first and preempted last")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="the most logprobs / prompt_logprobs one request may ask for")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -85,7 +87,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
     )

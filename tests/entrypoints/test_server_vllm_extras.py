@@ -132,3 +132,14 @@ def test_ignored_field_names_are_escaped_and_capped(server):
     assert r.status_code == 200, r.text
     header = r.headers["x-ignored-fields"]
     assert header.startswith("caf\\u00e9, f00, f01") and header.endswith("f18, ... (6 more)")
+
+
+def test_priority_needs_the_priority_policy(server, model_dir, tmp_path):
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "priority": 2, **GREEDY})
+    assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"]
+    prio = Server(model_dir, tmp_path, "--max-model-len", "256", "--scheduling-policy", "priority")
+    try:
+        for priority in (-3, 0, 7):
+            assert _ok(prio, "/v1/completions", {"prompt": PROMPT, "priority": priority, **GREEDY})["choices"]
+    finally:
+        assert prio.terminate() == 0, prio.output()

@@ -24,6 +24,9 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp1
                  "half": "float16"}
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 def canonical_dtype(name: str) -> str:
     """A dtype name as twostep spells it (float32, bfloat16, float16, auto)."""
     return DTYPE_ALIASES.get(name, name)
@@ -58,9 +61,13 @@ class EngineConfig:
     # vLLM's: the fraction of the device's (CPU: the machine's) memory for weights + KV cache
     gpu_memory_utilization: float | None = None
     tokenizer: str | None = None           # a tokenizer folder other than the model's own
+    scheduling_policy: str = "fcfs"        # fcfs | priority (lower priority value first, vLLM's rule)
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

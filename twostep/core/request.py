@@ -46,6 +46,8 @@ class Request:
     # Structured outputs: the grammar state after output_token_ids (kept through preemption,
     # since a preempted request keeps its tokens and only recomputes their K/V).
     grammar: Grammar | None = None
+    priority: int = 0                # with the priority policy: lower first (vLLM's rule)
+    arrival_index: int = 0           # order of arrival, set by the scheduler: ties go first come first
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

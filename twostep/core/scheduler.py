@@ -45,8 +45,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
         self.kv = kv
+        self.policy = policy             # fcfs, or priority: admit the lowest (priority, arrival) first
+        self._arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}       # every request not yet finished
@@ -61,6 +64,8 @@ class Scheduler:
         return self.stats.num_preemptions
 
     def add_request(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival_index = self._arrivals
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -121,7 +126,7 @@ class Scheduler:
     def _make_room(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate n more slots for a running request, preempting the newest others if needed."""
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
-            victim = self.running[-1]
+            victim = self._victim()
             if victim is request:
                 if len(self.running) == 1:
                     out.finished.append(request)
@@ -129,6 +134,18 @@ class Scheduler:
                 return False
             self._preempt(victim, out)
         return True
+
+    def _victim(self) -> Request:
+        """Who is preempted when the cache is full: the newest running request; with the priority
+        policy the one with the highest (priority, arrival)."""
+        if self.policy == "priority":
+            return max(self.running, key=_rank)
+        return self.running[-1]
+
+    def _next_waiting(self) -> Request:
+        if self.policy == "priority":
+            return min(self.waiting, key=_rank)
+        return self.waiting[0]
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -147,7 +164,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             hits, num_hit = self._prefix_hits(request)
             n = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request.request_id, num_hit, n, hits):
@@ -157,7 +174,7 @@ class Scheduler:
                 self.kv.record_lookup(request.num_tokens, num_hit)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_hit
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
@@ -303,3 +320,7 @@ def _advance_grammar(request: Request, token: int) -> tuple[str, int | str | Non
     if request.grammar.is_terminated:
         return "stop", None
     return None
+
+
+def _rank(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival_index

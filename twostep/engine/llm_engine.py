@@ -55,7 +55,8 @@ class LLMEngine:
         self.generation_config = t.generation_config
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
                     min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)
-        self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.proposer: Proposer | None = (make_proposer(config, t, self.platform, sampler)
                                           if config.speculative_config else None)
         self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
@@ -138,9 +139,14 @@ class LLMEngine:
         return SamplingParams(**found)
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
         """Validate, tokenize and queue a request; raises ValueError on bad input, leaving
-        the engine and every other request untouched."""
+        the engine and every other request untouched. priority counts with
+        scheduling_policy "priority" (lower first); any other policy takes only 0."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' "
+                             "(--scheduling-policy priority); this engine serves first come, first served")
         params = params or self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
@@ -151,6 +157,7 @@ class LLMEngine:
                 raise ValueError(f"request_id {rid!r} is already in use")
         self.output_processor.add(processed)
         for request in processed.requests:
+            request.priority = priority
             self.scheduler.add_request(request)
         return request_id
 

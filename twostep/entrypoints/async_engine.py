@@ -33,6 +33,7 @@ class _Add:
     params: SamplingParams
     request_id: str
     sink: asyncio.Queue
+    priority: int = 0
     done: Future = field(default_factory=Future)
 
 
@@ -81,13 +82,13 @@ class AsyncEngine:
         return f"{prefix}-{self._ids}"
 
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                  sink: asyncio.Queue | None = None) -> asyncio.Queue:
+                  sink: asyncio.Queue | None = None, priority: int = 0) -> asyncio.Queue:
         """Queue a request; raises ValueError (bad input) or QueueFullError before any output.
         Outputs go to `sink` (several requests may share one: outputs carry their request_id)."""
         if not self.healthy:
             raise RuntimeError("the engine is not running")
         sink = asyncio.Queue() if sink is None else sink
-        cmd = _Add(prompt, params, request_id, sink)
+        cmd = _Add(prompt, params, request_id, sink, priority)
         self._inbox.put(cmd)
         await asyncio.wrap_future(cmd.done)
         return sink
@@ -161,7 +162,7 @@ class AsyncEngine:
                 raise QueueFullError(f"the server has {waiting} requests waiting, this one adds "
                                      f"{cmd.params.n} (--max-queued-requests {self.max_queued_requests}); "
                                      "retry later")
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
         except Exception as e:  # ValueError for bad input, QueueFullError: the caller's problem
             cmd.done.set_exception(e)
             return

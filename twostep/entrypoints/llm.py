@@ -54,11 +54,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order.
+        priority: one per prompt, with scheduling_policy="priority" (lower first)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params or self.engine.default_sampling_params(), len(prompts))
-        ids = self._add_all(prompts, params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, priority)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
@@ -103,11 +106,12 @@ class LLM:
             self._queues.pop(rid, None)
             self.engine.abort_request(rid)   # no-op once finished; frees blocks if abandoned
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                 priority: list[int] | None = None) -> list[str]:
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(_unwrap(prompt), p))
+            for k, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(_unwrap(prompt), p, priority=priority[k] if priority else 0))
         except Exception:
             self.engine.abort_request(ids, emit_output=False)  # all or nothing: a bad prompt adds no work
             raise

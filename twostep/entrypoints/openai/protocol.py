@@ -105,14 +105,6 @@ class _SamplingFields(BaseModel):
             raise ValueError("use_beam_search is not supported (twostep samples; no beam search)")
         return v
 
-    @field_validator("priority")
-    @classmethod
-    def _fcfs_only(cls, v):
-        if v != 0:
-            raise ValueError("priority other than 0 needs priority scheduling, which this server does not "
-                             "run (first come, first served)")
-        return v
-
     def ignored_fields(self) -> list[str]:
         """Fields of the request this server does not know (ignored, as vLLM does)."""
         return sorted(self.model_extra or {})

@@ -355,11 +355,11 @@ class _Batch:
         self.finished: set[str] = set()
         self.prompt_logprobs: list = []    # per prompt, filled by _collect (echo)
 
-    async def add(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
+    async def add(self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0) -> None:
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{self.id}-{i}"
-                await self.state.engine.add(prompt, params, rid, self.sink)
+                await self.state.engine.add(prompt, params, rid, self.sink, priority)
                 self.request_ids.append(rid)
         except QueueFullError as e:
             self.abort()
@@ -441,7 +441,7 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     for ids in prompt_ids:
         _check_length(state, ids, max_tokens, "prompt", note)
     batch = _Batch(state, "cmpl", body.request_id)
-    await batch.add(prompt_ids, params)
+    await batch.add(prompt_ids, params, body.priority)
     if body.stream:
         return _sse(_completion_stream(state, body, batch))
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
@@ -579,7 +579,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
         params.skip_special_tokens = False       # the call markup is a special token
     await _compile_constraint(state, params)
     batch = _Batch(state, "chatcmpl", body.request_id)
-    await batch.add([ids], params)
+    await batch.add([ids], params, body.priority)
     if body.stream:
         return _sse(_chat_stream(state, body, batch, top, plan))
     choices, cached, prompt_ids = await _collect(batch, body.n, raw)
