@@ -136,6 +136,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat template (chat_template_kwargs.chat_template); "
                         "a template is code the server runs: only for trusted clients")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (special tokens, chat template), for clients that "
+                        "tokenize remotely such as lm-eval's tokenizer_backend=remote")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": read tool calls out of the model\'s output (needs '
                         "--tool-call-parser)")
@@ -205,6 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           args.request_timeout, api_key, args.api_key_for_metrics,
                           args.max_request_body_bytes, args.trust_request_chat_template,
                           model_aliases=(args.model,) if args.model else (),
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser)
     engine = LLMEngine(engine_config_from(args))

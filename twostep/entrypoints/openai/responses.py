@@ -139,3 +139,17 @@ class ChatCompletionResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info (with --enable-tokenizer-info-endpoint), as vLLM answers it."""
+
+    tokenizer_class: str
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+    add_bos_token: bool
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None

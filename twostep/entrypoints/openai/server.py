@@ -34,7 +34,7 @@ from twostep.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from twostep import __version__ as TWOSTEP_VERSION
 from twostep.entrypoints.openai.responses import (ChatCompletionResponse, CompletionResponse,
                                                   DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                                  TokenizeResponse, VersionResponse)
+                                                  TokenizeResponse, TokenizerInfoResponse, VersionResponse)
 from twostep.entrypoints.openai.serving import Choice
 from twostep.entrypoints.openai.tool_choice import ToolChoiceError, ToolPlan, plan_tools
 from twostep.entrypoints.openai.tool_parsers import (TOOL_PARSERS, StreamDelta, ToolCallStreamer,
@@ -80,6 +80,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False    # chat_template_kwargs may carry a template
     model_aliases: tuple[str, ...] = ()          # other names requests may use (--model as given)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     enable_auto_tool_choice: bool = False        # tool_choice "auto": parse calls out of the output
     tool_call_parser: str | None = None          # --tool-call-parser: hermes, llama3_json, mistral, pythonic
 
@@ -312,6 +313,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version", response_model=None, responses={200: {"model": VersionResponse}})
     async def version():
         return {"version": TWOSTEP_VERSION}
+
+    if state.config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info", response_model=None, responses={200: {"model": TokenizerInfoResponse}})
+        async def tokenizer_info():
+            return _tokenizer_info(state)
+
+
+def _tokenizer_info(state: ServerState) -> dict:
+    """What a client needs to tokenize as the server does (lm-eval's tokenizer_backend=remote): the
+    special tokens, the chat template, the limits."""
+    tok = state.tokenizer
+    template = tok.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens_map,
+            "add_bos_token": tok.add_bos_token, "chat_template": template,
+            "model_max_length": state.engine.engine.max_model_len, "vocab_size": tok.vocab_size}
 
 
 def _model_card(state: ServerState) -> dict:
