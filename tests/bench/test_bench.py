@@ -60,7 +60,9 @@ def test_bench_commands_run(tiny_model_dir, capsys, tmp_path):
     assert any(e.get("cat") == "step" for e in json.loads(trace.read_text())["traceEvents"])
     assert main(["bench", "latency", "--model", folder, "--input-lens", "8,32", "--output-len", "4",
                  "--reps", "1", "--json", "--kv-cache-memory", "4MiB"]) == 0
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    r = json.loads(captured.out.strip().splitlines()[-1])
+    assert "latency runs" in captured.err and "3/3" in captured.err     # the progress bar
     assert [p["input_len"] for p in r["prefill"]] == [8, 32]
     assert r["decode"]["decode_tokens_per_s"] > 0
 

@@ -180,7 +180,9 @@ def test_bench_serve_end_to_end(server_url, capsys, tmp_path):
     assert main(["bench", "serve", "--base-url", server_url, "--dataset", "random", "--num-prompts", "12",
                  "--random-input-range", "4:20", "--random-output-range", "2:8",
                  "--max-concurrency", "4", "--json", "--save-json", str(saved)]) == 0
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    r = json.loads(captured.out.strip().splitlines()[-1])
+    assert "requests" in captured.err and "12/12" in captured.err     # the progress bar
     expected = workloads.uniform(12, (4, 20), (2, 8), serve.DEFAULT_VOCAB, 0)
     assert r["completed"] == 12 and r["failed"] == 0, r["errors"]
     assert r["model"] == "tiny"   # found through /v1/models

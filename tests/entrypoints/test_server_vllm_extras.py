@@ -143,3 +143,17 @@ def test_priority_needs_the_priority_policy(server, model_dir, tmp_path):
             assert _ok(prio, "/v1/completions", {"prompt": PROMPT, "priority": priority, **GREEDY})["choices"]
     finally:
         assert prio.terminate() == 0, prio.output()
+
+
+def test_the_openai_sdk_with_its_extra_fields(server):
+    import openai
+
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=60.0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+            store=False, metadata={"run": "1"}, service_tier="auto", reasoning_effort="low", user="u",
+            prediction={"type": "content", "content": "x"}, modalities=["text"])
+        assert raw.headers["x-ignored-fields"] == "metadata, prediction, reasoning_effort, service_tier, store"
+        assert raw.parse().choices[0].message.content is not None
+        with pytest.raises(openai.BadRequestError, match="beam search"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"use_beam_search": True})

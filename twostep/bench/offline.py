@@ -84,9 +84,12 @@ class LatencyResult:
 
 
 def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, reps: int,
-                vocab_size: int) -> LatencyResult:
+                vocab_size: int, progress: bool = True) -> LatencyResult:
+    from tqdm import tqdm
+
     from twostep.bench.workloads import fixed
 
+    bar = tqdm(total=(len(input_lens) + 1) * reps, desc="latency runs", unit="run", disable=not progress)
     prefill = []
     for n in input_lens:
         ttfts = []
@@ -95,6 +98,7 @@ def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, re
             out = llm.generate([{"prompt_token_ids": req.prompt_token_ids}],
                                SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
             ttfts.append(out.metrics.ttft)
+            bar.update(1)
         med = statistics.median(ttfts)
         prefill.append({"input_len": n, "median_ttft_ms": med * 1e3, "prefill_tokens_per_s": n / med})
     itls: list[float] = []
@@ -108,6 +112,8 @@ def run_latency(llm, input_lens: list[int], output_len: int, batch_size: int, re
         for o in outs:
             itls.extend(o.metrics.inter_token_latencies)
             tpots.append(o.metrics.tpot)
+        bar.update(1)
+    bar.close()
     med_tpot = statistics.median(tpots)
     decode = {"batch_size": batch_size, "output_len": output_len, "median_tpot_ms": med_tpot * 1e3,
               "p99_itl_ms": percentile(itls, 99) * 1e3,

@@ -284,9 +284,11 @@ async def send_request(client, url: str, body: dict, headers: dict) -> RequestTi
 async def run_benchmark(base_url: str, endpoint: str, model: str,
                         requests: list[workloads.BenchRequest], request_rate: float = math.inf,
                         max_concurrency: int | None = None, seed: int = 0,
-                        api_key: str | None = None) -> tuple[list[RequestTiming], float]:
-    """Send every request on the Poisson schedule; (timings in request order, duration)."""
+                        api_key: str | None = None, progress: bool = True) -> tuple[list[RequestTiming], float]:
+    """Send every request on the Poisson schedule; (timings in request order, duration). A progress
+    bar on stderr counts finished requests."""
     import httpx
+    from tqdm import tqdm
 
     url = base_url.rstrip("/") + "/" + endpoint.lstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -298,6 +300,7 @@ async def run_benchmark(base_url: str, endpoint: str, model: str,
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter()
 
@@ -307,12 +310,16 @@ async def run_benchmark(base_url: str, endpoint: str, model: str,
                 await asyncio.sleep(delay)
             body = request_body(endpoint, model, req)
             if sem is None:
-                return await send_request(client, url, body, headers)
-            async with sem:
-                return await send_request(client, url, body, headers)
+                timing = await send_request(client, url, body, headers)
+            else:
+                async with sem:
+                    timing = await send_request(client, url, body, headers)
+            bar.update(1)
+            return timing
 
         timings = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
         duration = time.perf_counter() - t0
+    bar.close()
     return list(timings), duration
 
 
