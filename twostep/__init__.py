@@ -1,9 +1,9 @@
 """twostep: an LLM inference engine that makes prefill and decode explicit."""
 from twostep.config import EngineConfig
 from twostep.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from twostep.sampling_params import SamplingParams, StructuredOutputsParams
+from twostep.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "Logprob"]
 __version__ = "0.1.0"
 

@@ -93,6 +93,31 @@ class RequestMetrics:
             return None
         return self.finished_time - self.arrival_time
 
+    # vLLM v1's names for the same figures (RequestStateStats)
+    @property
+    def queued_ts(self) -> float:
+        return self.arrival_time
+
+    @property
+    def scheduled_ts(self) -> float | None:
+        return self.first_scheduled_time
+
+    @property
+    def first_token_ts(self) -> float | None:
+        return self.first_token_time
+
+    @property
+    def last_token_ts(self) -> float | None:
+        return self.last_token_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        return self.ttft
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.num_generated_tokens
+
 
 @dataclass(slots=True)
 class CompletionOutput:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -10,6 +11,14 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5   # below this, sampling is argmax
 LOGIT_BIAS_LIMIT = 100.0    # OpenAI's range for logit_bias values: [-100, 100]
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0      # everything so far (text, token_ids, logprobs), with the deltas beside
+    DELTA = 1           # only what is new since the previous output
+    FINAL_ONLY = 2      # no output until the request finishes
 
 
 @dataclass(slots=True)
@@ -119,6 +128,7 @@ class SamplingParams:
     detokenize: bool = True                      # False: token ids only, no text (no stop strings)
     truncate_prompt_tokens: int | None = None    # keep only the prompt's last k tokens
     extra_args: dict | None = None               # carried along for callers' own use (vLLM's)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constraints on the next token, applied before everything else (sample/constraints.py):
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
@@ -186,6 +196,8 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "must be a positive integer or null")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if not self.detokenize and self.stop:
             raise bad("stop", "needs detokenize=True (stop strings are matched in the text)")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:

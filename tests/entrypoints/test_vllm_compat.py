@@ -77,6 +77,23 @@ def test_sampling_params_of_vllm(llm):
         SamplingParams(stop=["x"], detokenize=False)
 
 
+def test_output_kinds_and_metric_names(llm):
+    from twostep import RequestOutputKind
+
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    whole = llm.generate("Once upon a time", SamplingParams(**base))[0].outputs[0]
+    deltas = list(llm.stream("Once upon a time", SamplingParams(**base, output_kind=RequestOutputKind.DELTA)))
+    assert len(deltas) > 1
+    assert "".join(o.outputs[0].text for o in deltas) == whole.text
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.token_ids
+    assert sum(len(o.outputs[0].logprobs) for o in deltas) == len(whole.token_ids)
+    final = list(llm.stream("Once upon a time", SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == whole.text
+    m = final[0].metrics
+    assert m.first_token_ts == m.first_token_time and m.first_token_latency == m.ttft
+    assert m.num_generation_tokens == 8 and m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
+
+
 def test_arguments_that_cannot_apply_say_so(folder):
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
         LLM(folder, tensor_parallel_size=2)

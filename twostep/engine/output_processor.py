@@ -8,6 +8,7 @@ Request, its RequestMetrics: the token-timing fields (first/last token, token_ti
 tokens, finished) are written here, the scheduling ones by the scheduler."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -18,7 +19,7 @@ from twostep.engine.input_processor import ProcessedPrompt
 from twostep.engine.parallel_sampling import ParentRequest
 from twostep.engine.trace import StepTracer
 from twostep.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from twostep.sampling_params import SamplingParams
+from twostep.sampling_params import RequestOutputKind, SamplingParams
 from twostep.tokenizer.detokenizer import IncrementalDetokenizer
 from twostep.tokenizer.tokenizer import Tokenizer
 
@@ -88,14 +89,17 @@ class OutputProcessor:
                 self._finish(state, "stop", stop_string, now)
             elif core.finish_reason is not None:
                 self._finish(state, core.finish_reason, core.stop_reason, now)
-            result.outputs.append(self._make_output(state, prev_len))
+            out = _of_kind(self._make_output(state, prev_len), state.params.output_kind)
+            if out is not None:
+                result.outputs.append(out)
         return result
 
     def finish(self, request_id: str, finish_reason: str, stop_reason: int | str | None) -> RequestOutput:
         """The final output of a request ended from outside (abort, timeout)."""
         state = self.states[request_id]
         self._finish(state, finish_reason, stop_reason, time.monotonic())
-        return self._make_output(state, None)
+        out = self._make_output(state, None)
+        return _of_kind(out, state.params.output_kind) or out
 
     def _decode_logprob_tokens(self, entry: PositionLogprobs) -> None:
         """Fill each Logprob's decoded_token (the token's own text, special tokens included)."""
@@ -180,3 +184,17 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
                                    p.skip_special_tokens),
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None)
+
+
+def _of_kind(out: RequestOutput, kind: RequestOutputKind) -> RequestOutput | None:
+    """The output as the request's output_kind wants it: as is (cumulative), only what is new
+    (delta), or nothing until it finishes (final only)."""
+    if kind is RequestOutputKind.CUMULATIVE:
+        return out
+    if kind is RequestOutputKind.FINAL_ONLY:
+        return out if out.finished else None
+    changed = [c for c in out.outputs if c.delta_text or c.delta_token_ids] or out.outputs
+    deltas = [dataclasses.replace(c, text=c.delta_text, token_ids=list(c.delta_token_ids),
+                                  logprobs=None if c.logprobs is None else c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
+              for c in changed]
+    return dataclasses.replace(out, outputs=deltas)
