@@ -157,3 +157,11 @@ def test_the_openai_sdk_with_its_extra_fields(server):
         assert raw.parse().choices[0].message.content is not None
         with pytest.raises(openai.BadRequestError, match="beam search"):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"use_beam_search": True})
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": PROMPT}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_max_tokens_0_without_echo_is_vllms_400(server, path, body):
+    r = _post(server, path, {**body, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens must be at least 1, got 0")
+    assert r.json()["error"]["param"] == "max_tokens"

@@ -444,7 +444,8 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     if body.max_tokens is not None and body.max_tokens < 0:
         raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
     if body.max_tokens == 0 and not body.echo:
-        raise APIError(400, "max_tokens 0 is only allowed with echo", "max_tokens")
+        # vLLM's answer (max_tokens 0 is only for echo: prompt logprobs without generating)
+        raise APIError(400, "max_tokens must be at least 1, got 0 (0 only with echo: true)", "max_tokens")
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # echo-only: drop the token later
     _check_prompt_logprobs(state, body)
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
@@ -574,7 +575,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     _check_model(state, body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     top = body.top_logprobs or 0
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
