@@ -117,3 +117,21 @@ def test_dtype_spellings(spelling, canonical):
     assert EngineConfig(dtype=spelling).dtype == canonical
     assert p.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8_e4m3"
     assert EngineConfig(kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
+
+
+def test_every_subcommand_takes_both_dtype_spellings():
+    import argparse
+
+    from twostep.analysis.cli import add_analyze_args
+    from twostep.bench.cli import add_bench_args
+    from twostep.cli import add_engine_args
+
+    analyze = argparse.ArgumentParser()
+    add_analyze_args(analyze)
+    for spelling, name in (("float32", "fp32"), ("bfloat16", "bf16"), ("fp8_e4m3", "fp8"), ("fp16", "fp16")):
+        assert analyze.parse_args(["m", "--dtype", spelling]).dtype == name
+    assert analyze.parse_args(["m", "--kv-dtype", "bfloat16"]).kv_dtype == "bf16"
+    bench = argparse.ArgumentParser()
+    add_bench_args(bench, add_engine_args)
+    assert bench.parse_args(["ceilings", "--dtype", "bf16"]).dtype == "bfloat16"
+    assert bench.parse_args(["latency", "--dtype", "fp32"]).dtype == "float32"

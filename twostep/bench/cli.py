@@ -5,6 +5,7 @@ import argparse
 import json
 
 from twostep.bench import workloads
+from twostep.config.engine import canonical_dtype
 
 
 def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
@@ -34,7 +35,8 @@ def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
     c = sub.add_parser("ceilings", help="this machine's bandwidth and matmul FLOP/s, and a model's bounds")
     c.add_argument("--model", default=None,
                    help="bound this model too: preset, folder, config.json, .gguf, or 'default'")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    c.add_argument("--dtype", default="bfloat16", type=canonical_dtype, choices=["bfloat16", "float32"],
+                   help="also bf16, fp32/float")
     c.add_argument("--json", action="store_true")
 
 
