@@ -174,7 +174,7 @@ def test_named_function_gives_its_arguments(client):
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.finish_reason == "stop" and not choice.message.content   # a forced function: "stop"
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     _valid_call(call)
@@ -189,7 +189,7 @@ def test_strict_closes_open_schemas(client, strict):
         r = client.chat.completions.create(model="tiny", messages=ASK, tools=[open_tool], temperature=1.0, seed=seed,
                                            max_tokens=120, tool_choice={"type": "function",
                                                                         "function": {"name": "get_weather"}})
-        if r.choices[0].finish_reason == "tool_calls":
+        if r.choices[0].finish_reason == "stop":
             keys |= set(json.loads(r.choices[0].message.tool_calls[0].function.arguments))
     if strict:
         assert keys == {"city"}
@@ -234,7 +234,7 @@ def test_streamed_tool_calls_follow_openai_deltas(server, choice, extra):
                     assert "id" not in tc and tc["function"]["arguments"]
                 calls[tc["index"]]["arguments"] += tc["function"].get("arguments", "")
             finish = c["finish_reason"] or finish
-    assert finish == "tool_calls" and calls
+    assert calls and finish == ("stop" if isinstance(choice, dict) else "tool_calls")   # a forced function: stop
     assert "<tool_call>" not in content and "</tool_call>" not in content
     if choice == "auto":
         assert content == "Let me check."
@@ -305,3 +305,25 @@ def test_the_server_still_serves_after_bad_constraints(client, server):
     _post(server, "/v1/chat/completions", {"messages": ASK, "structured_outputs": {"regex": "(?=x)"}})
     r = client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=5)
     assert r.choices[0].message.content
+
+
+def test_required_keeps_each_tools_definitions(client):
+    # pydantic writes nested models as $defs + $ref (LangChain's bind_tools does): they must still
+    # resolve once the tool's schema sits inside the array of calls.
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["x", "y"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {
+        "$defs": {"Point": point}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}},
+        "required": ["to"], "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "draw", "parameters": {
+                 "definitions": {"Point": point}, "type": "object",
+                 "properties": {"at": {"$ref": "#/definitions/Point"}}, "required": ["at"],
+                 "additionalProperties": False}}}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Move to 3, 4."}],
+                                       tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    for call in r.choices[0].message.tool_calls:
+        spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])

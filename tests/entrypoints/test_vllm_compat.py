@@ -87,6 +87,8 @@ def test_output_kinds_and_metric_names(llm):
     assert "".join(o.outputs[0].text for o in deltas) == whole.text
     assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.token_ids
     assert sum(len(o.outputs[0].logprobs) for o in deltas) == len(whole.token_ids)
+    generated = llm.generate("Once upon a time", SamplingParams(**base, output_kind=RequestOutputKind.DELTA))[0]
+    assert generated.outputs[0].text == whole.text      # generate returns whole outputs whatever the kind
     final = list(llm.stream("Once upon a time", SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)))
     assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == whole.text
     m = final[0].metrics

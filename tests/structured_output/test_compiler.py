@@ -82,4 +82,10 @@ def test_drafts_get_one_mask_per_position_and_the_state_comes_back(compiler):
     assert rows[2, a] and rows[2, EOS]
     assert rows[3, b] and not rows[3, EOS]
     assert torch.equal(g.bitmask()[0], masks[0])   # rolled back to where it was
+    assert g.drafts_to_verify([a, b, a, a, b]) == 4   # the valid three and the first refused one
+    assert g.drafts_to_verify([a, b, EOS, a]) == 3    # up to and with the first EOS
+    past = unpack_bitmask(g.bitmask([a, a, b]), compiler.vocab_size)
+    assert past[1, b] and not past[1, a]            # the row that scores the refused draft bans it
+    assert past[2].all() and past[3].all()          # after it: never used, everything allowed
+    assert torch.equal(g.bitmask()[0], masks[0])
     assert g.accept(a) and not g.accept(a)         # the real state: after "a" comes "b"

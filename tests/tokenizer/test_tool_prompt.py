@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import build_tokenizer
 from twostep.tokenizer.tokenizer import Tokenizer
 from twostep.tokenizer.tool_prompt import template_reads_tools
@@ -62,3 +64,20 @@ def test_without_tools_nothing_changes():
     tok = _tokenizer(PLAIN)
     assert tok.apply_chat_template(CONVERSATION[:1]) == tok.apply_chat_template(CONVERSATION[:1], tools=[])
     assert "<tools>" not in tok.apply_chat_template(CONVERSATION[:1])
+
+
+def test_openai_shaped_messages_render_the_same_as_plain_ones():
+    # As OpenAI clients send them: arguments as JSON text, content as a list of text parts.
+    openai_shaped = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        CONVERSATION[2]]
+    for template in (PLAIN, WITH_TOOLS):
+        tok = _tokenizer(template)
+        assert tok.apply_chat_template(openai_shaped, tools=[TOOL]) == tok.apply_chat_template(CONVERSATION,
+                                                                                              tools=[TOOL])
+    bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        _tokenizer(PLAIN).apply_chat_template(bad, tools=[TOOL])

@@ -231,8 +231,8 @@ class Scheduler:
             new_tokens.append(token)
             stop = check_stop(request, token)
             on_token = stop is not None and stop[0] == "stop"
-            if stop is None and request.grammar is not None:
-                stop = _advance_grammar(request, token)
+            if not on_token and request.grammar is not None:   # a complete grammar says stop, not length
+                stop = _advance_grammar(request, token) or stop
             if stop is not None:
                 self._finish(request, *stop)
                 break
@@ -287,11 +287,12 @@ class Scheduler:
     def update_draft_token_ids(self, requests: list[Request],
                                drafts: list[tuple[list[int], torch.Tensor | None]]) -> None:
         """The proposer's drafts ride on the requests to the next step, which verifies them. A
-        constrained request keeps only the drafts its grammar accepts (the rest could never be)."""
+        constrained request keeps the drafts its grammar accepts and the first one it refuses
+        (Grammar.drafts_to_verify): the rest could never be kept."""
         for request, (tokens, probs) in zip(requests, drafts, strict=True):
             if request.grammar is not None:
-                valid = request.grammar.valid_prefix(tokens)
-                tokens, probs = tokens[:valid], None if probs is None else probs[:valid]
+                keep = request.grammar.drafts_to_verify(tokens)
+                tokens, probs = tokens[:keep], None if probs is None else probs[:keep]
             request.spec_token_ids, request.spec_draft_probs = tokens, probs
 
     @property

@@ -79,6 +79,10 @@ class OutputProcessor:
         for core in core_outputs:
             state = self.states[core.request_id]
             if core.new_prompt_logprobs:
+                if state.params.detokenize:
+                    for entry in core.new_prompt_logprobs:
+                        if entry is not None:
+                            self._decode_logprob_tokens(entry)
                 state.prompt_logprobs.extend(core.new_prompt_logprobs)
             if not core.new_token_ids and core.finish_reason is None:
                 continue                         # a prompt chunk that samples nothing
@@ -121,7 +125,8 @@ class OutputProcessor:
             state.output_token_ids.append(token)
             logprobs = core.new_logprobs[j] if core.new_logprobs else None
             if logprobs is not None:
-                self._decode_logprob_tokens(logprobs)
+                if p.detokenize:
+                    self._decode_logprob_tokens(logprobs)
                 state.logprobs.append(logprobs)
                 state.cumulative_logprob += logprobs[token].logprob
             if j == last and core.stopped_on_token:

@@ -1,6 +1,7 @@
 """The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, params)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Iterator, Sequence
 
@@ -9,7 +10,7 @@ from tqdm import tqdm
 from twostep.config import EngineConfig
 from twostep.engine.llm_engine import LLMEngine
 from twostep.outputs import RequestOutput
-from twostep.sampling_params import SamplingParams
+from twostep.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -59,6 +60,8 @@ class LLM:
         priority: one per prompt, with scheduling_policy="priority" (lower first)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params or self.engine.default_sampling_params(), len(prompts))
+        # generate returns whole outputs: only the final one of each request is needed (vLLM's rule)
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = self._add_all(prompts, params, priority)

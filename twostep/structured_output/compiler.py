@@ -95,8 +95,9 @@ class GrammarCompiler:
         for warning in messages:
             logger.warning("structured_outputs.%s: %s", params.kind, warning)
         elapsed = time.monotonic() - start
-        self.stats.num_compiled += 1
-        self.stats.compile_seconds += elapsed
+        with self._lock:
+            self.stats.num_compiled += 1
+            self.stats.compile_seconds += elapsed
         logger.debug("compiled a %s constraint in %.1f ms", params.kind, elapsed * 1e3)
         return matcher
 

@@ -36,12 +36,21 @@ class Grammar:
         return ok
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of these tokens (drafts) the grammar would accept in a row, stopping before an
-        EOS (the target model decides where the output ends); no state change."""
+        """How many of these tokens the grammar would accept in a row, counting up to (not
+        including) an EOS; no state change."""
         if not token_ids or self.is_terminated:
             return 0
         end = next((i for i, t in enumerate(token_ids) if t in self.eos_token_ids), len(token_ids))
         return self.matcher.validate_tokens(token_ids[:end]) if end else 0
+
+    def drafts_to_verify(self, token_ids: list[int]) -> int:
+        """How many drafts a verification step takes: those the grammar accepts, plus the first
+        one it refuses or the first EOS. Verification then decides that one by the target's
+        masked distribution (a refused draft has probability 0 there, so it is rejected and the
+        residual is drawn), which keeps speculative sampling exact; later drafts could never be kept."""
+        if not token_ids or self.is_terminated:
+            return 0
+        return min(self.valid_prefix(token_ids) + 1, len(token_ids))
 
     @property
     def is_terminated(self) -> bool:
@@ -54,20 +63,23 @@ class Grammar:
 
     def bitmask(self, draft_token_ids: list[int] | None = None) -> torch.Tensor:
         """Allowed tokens ``[1 + len(drafts), W]``: row 0 for the next token, row i for the token
-        after drafts[:i] (a verification step scores every draft position). Drafts must be a
-        valid prefix without EOS (see valid_prefix); the state is back where it was afterwards."""
+        after drafts[:i] (a verification step scores every draft position). Past a draft the
+        grammar refuses, or an EOS, rows allow everything: verification stops there, so they are
+        never used. The state is back where it was afterwards."""
         drafts = draft_token_ids or []
-        out = torch.zeros(1 + len(drafts), bitmask_width(self.vocab_size), dtype=torch.int32)
+        out = torch.full((1 + len(drafts), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
         consumed = 0
         for i in range(len(drafts) + 1):
             self._fill(out[i])
-            if i < len(drafts):
-                if not self.matcher.consume_token(drafts[i]):
-                    raise RuntimeError(f"draft token {drafts[i]} is not valid for the grammar")
-                consumed += 1
+            if i == len(drafts) or drafts[i] in self.eos_token_ids or not self._try_consume(drafts[i]):
+                break
+            consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
         return out
+
+    def _try_consume(self, token_id: int) -> bool:
+        return self.matcher.validate_tokens([token_id]) == 1 and self.matcher.consume_token(token_id)
 
     def _fill(self, row: torch.Tensor) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())

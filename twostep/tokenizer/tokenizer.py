@@ -394,12 +394,33 @@ def _cut_after_final_message(text: str, final: dict) -> str:
     raise ValueError("continue_final_message: the chat template does not write the last message's content")
 
 
+def _tool_call_for_template(call: Any) -> Any:
+    """An assistant's tool call with its arguments as an object: templates write them with tojson,
+    OpenAI sends them as JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"] or "{}")
+    except ValueError:
+        raise ValueError(f"a tool call's arguments are not valid JSON: {function['arguments'][:80]!r}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def _prepare_message(message: Any) -> dict:
     """What transformers does before rendering: drop None-valued keys (OpenAI clients send
-    content=None with tool calls) and expose a reasoning trace under every key templates read."""
+    content=None with tool calls) and expose a reasoning trace under every key templates read;
+    and as the server does for every caller: text content parts joined into one string, a tool
+    call's JSON-text arguments as an object."""
     if not isinstance(message, dict):
         raise TypeError(f"chat messages must be dicts, got {type(message).__name__}")
     out = {k: v for k, v in message.items() if v is not None}
+    if isinstance(out.get("content"), list):          # OpenAI content parts: text only
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in out["content"]):
+            raise ValueError("only text content parts are supported")
+        out["content"] = "".join(str(p.get("text", "")) for p in out["content"])
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_tool_call_for_template(c) for c in out["tool_calls"]]
     reasoning = next((out[k] for k in _REASONING_KEYS if k in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}

@@ -645,11 +645,12 @@ def _chat_message(c: Choice, plan: ToolPlan) -> dict:
     message = {"role": "assistant", "content": content,
                "tool_calls": [{"id": t.id, "type": "function",
                                "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
-    return {"message": message, "finish_reason": _tool_finish(c.finish_reason)}
+    return {"message": message, "finish_reason": _tool_finish(c.finish_reason, plan)}
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _tool_finish(finish_reason: str | None, plan: ToolPlan) -> str | None:
+    """A stop with calls is "tool_calls", except for a forced function (OpenAI and vLLM say "stop")."""
+    return "tool_calls" if finish_reason == "stop" and plan.calls_finish else finish_reason
 
 
 async def _compile_constraint(state: ServerState, params: SamplingParams) -> None:
@@ -702,7 +703,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: _
                 streamer = streamers.setdefault(c.index, ToolCallStreamer(plan.parser, plan.max_calls))
                 delta = _tool_delta(streamer.feed(c.delta_text, final=bool(finish)))
                 if finish and streamer.has_calls:
-                    finish = _tool_finish(finish)
+                    finish = _tool_finish(finish, plan)
                 if not delta and not finish and lp is None:
                     continue
             yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,

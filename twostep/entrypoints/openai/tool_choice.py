@@ -34,6 +34,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None  # forces the calls' JSON (required / named)
     max_calls: int | None = None                      # 1 with parallel_tool_calls false
     template_tools: list[dict] | None = None          # the tools as the chat template sees them
+    calls_finish: bool = True                         # finish_reason "tool_calls" (a forced function: "stop")
 
 
 def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
@@ -67,18 +68,51 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
         raise ToolChoiceError(f"tool_choice names function {choice.function.name!r}, which is not in "
                               f"tools ({', '.join(names)})", "tool_choice")
     constraint = StructuredOutputsParams(json=_parameters(tool), disable_additional_properties=bool(tool.function.strict))
-    return ToolPlan(NamedToolParser(tool.function.name), constraint, 1, template_tools)
+    return ToolPlan(NamedToolParser(tool.function.name), constraint, 1, template_tools, calls_finish=False)
 
 
 def required_schema(tools: list[ChatTool], max_calls: int | None) -> dict:
-    """One or more calls, each a tool's name with arguments valid for its parameters."""
-    calls = [{"type": "object",
-              "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """One or more calls, each a tool's name with arguments valid for its parameters. Each tool's
+    definitions ($defs, definitions) move to the top, renamed per tool, since its "#/$defs/..."
+    references must still resolve once its schema sits inside the array."""
+    calls, defs = [], {}
+    for k, t in enumerate(tools):
+        parameters, own = _hoisted(_parameters(t), f"tool{k}_")
+        defs.update(own)
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": t.function.name}, "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if max_calls is not None:
         schema["maxItems"] = max_calls
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """(the schema without its definitions, its definitions renamed with prefix), references
+    rewritten to the new names."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema, {}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    renamed = {f"{prefix}{name}": _with_refs(d, own, prefix) for name, d in own.items()}
+    return _with_refs(body, own, prefix), renamed
+
+
+def _with_refs(node, names: dict, prefix: str):
+    if isinstance(node, list):
+        return [_with_refs(n, names, prefix) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _with_refs(v, names, prefix) for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root) and ref[len(root):].split("/")[0] in names:
+                out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+    return out
 
 
 def _parameters(tool: ChatTool) -> dict:
