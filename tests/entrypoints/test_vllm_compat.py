@@ -96,6 +96,19 @@ def test_output_kinds_and_metric_names(llm):
     assert m.num_generation_tokens == 8 and m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
 
 
+def test_trust_remote_code_does_not_make_an_architecture(folder, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "remote-code-model"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"], config["auto_map"] = ["MyFancyForCausalLM"], {"AutoModel": "modeling.MyFancy"}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model architecture .*MyFancyForCausalLM"):
+        LLM(str(other), trust_remote_code=True)
+
+
 def test_arguments_that_cannot_apply_say_so(folder):
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
         LLM(folder, tensor_parallel_size=2)
