@@ -398,7 +398,9 @@ def _tool_call_for_template(call: Any) -> Any:
     """An assistant's tool call with its arguments as an object: templates write them with tojson,
     OpenAI sends them as JSON text."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError('a tool call must be {"id", "type": "function", "function": {"name", "arguments"}}')
+    if not isinstance(function.get("arguments"), str):
         return call
     try:
         arguments = json.loads(function["arguments"] or "{}")

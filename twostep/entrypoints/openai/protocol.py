@@ -9,7 +9,6 @@ not a number and "yes" not a boolean (an integer is a valid float).
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -266,36 +265,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them: text content parts joined into one string,
-    and an assistant's tool calls with their arguments as objects (templates write them with
-    tojson; OpenAI sends them as JSON text)."""
-    out = []
-    for i, m in enumerate(messages):
-        d = m.model_dump(exclude_none=True)
-        if isinstance(d.get("content"), list):   # [{"type": "text", "text": ...}, ...]
-            parts = d["content"]
-            if any(p.get("type") != "text" for p in parts):
-                raise ValueError("only text content parts are supported")
-            d["content"] = "".join(p.get("text", "") for p in parts)
-        if d.get("tool_calls"):
-            d["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
-                               for j, call in enumerate(d["tool_calls"])]
-        out.append(d)
-    return out
-
-
-def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                         f"\"arguments\"}}}}")
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except ValueError:
-            raise ValueError(f"{where}.function.arguments is not valid JSON: {arguments[:80]!r}") from None
-    return {**call, "function": {**function, "arguments": arguments}}
+    """The messages as plain dicts; the tokenizer normalises them for the template (text content
+    parts joined, tool-call arguments as objects) and raises ValueError on what it cannot take."""
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 class TokenizeRequest(BaseModel):

@@ -55,7 +55,7 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
     """OpenAI's legacy completions logprobs: parallel lists, first prompt token's logprob None."""
     tokens, offsets = texts.next(token_ids)
     if as_ids:
-        tokens = [f"token_id:{t}" for t in token_ids]
+        tokens = [token_label(tokenizer, t, True) for t in token_ids]
     token_lps, tops = [], []
     for tid, entry in zip(token_ids, entries):
         if entry is None:
@@ -74,7 +74,7 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Posi
     tokens, _ = texts.next(token_ids)
     for tid, text, entry in zip(token_ids, tokens, entries):
         ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, kv[0]))[:top_n]
-        label = f"token_id:{tid}" if as_ids else text
+        label = token_label(tokenizer, tid, True) if as_ids else text
         content.append({
             "token": label, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
             "top_logprobs": [{"token": token_label(tokenizer, k, as_ids), "logprob": v.logprob,
