@@ -65,6 +65,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (k)")
     spec.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation (vLLM\'s keys), e.g. \'{"kv_connector": "ZmqConnector", '
+                        '"kv_role": "kv_producer", "kv_port": 14579}\' on the prefill instance and '
+                        '\'{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer"}\' on the decode one '
+                        "(see `twostep proxy`)")
 
 
 def speculative_config_from(args: argparse.Namespace) -> dict | None:
@@ -90,6 +95,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
+        kv_transfer_config=args.kv_transfer_config,
     )
 
 
@@ -154,6 +160,24 @@ def _serve_parser(sub) -> None:
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
     add_engine_args(p)
+
+
+def _proxy_parser(sub) -> None:
+    p = sub.add_parser("proxy", help="an OpenAI-compatible front for prefill/decode disaggregation: each "
+                                     "request is prefilled on a --prefill instance, then decoded on a --decode one")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (twostep serve ... --kv-transfer-config with kv_role kv_producer)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances (kv_role kv_consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    from twostep.entrypoints.openai.disagg_proxy import run_proxy as run
+
+    return run(args.prefill, args.decode, args.host, args.port, log_level=args.log_level, timeout=args.timeout)
 
 
 def _analyze_parser(sub) -> None:
@@ -292,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _analyze_parser(sub)
     _bench_parser(sub)
+    _proxy_parser(sub)
     sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU now (else on first use)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -305,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_analyze(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "proxy":
+            return run_proxy(args)
         if args.command == "build-kernels":
             return run_build_kernels()
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback

@@ -67,6 +67,11 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_kv_blocks: int = 0          # most KV blocks the request held at once
+    # Prefill/decode disaggregation (a consumer): the prompt KV loaded from a remote instance
+    kv_load_start_time: float | None = None
+    kv_load_end_time: float | None = None
+    num_remote_tokens: int = 0      # prompt tokens whose KV was loaded, not computed here
+    kv_transfer_bytes: int = 0
     spec_decode: SpecDecodeStats | None = None   # drafts and acceptances, with speculation on
 
     @property
@@ -146,3 +151,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None   # a producer's finished prefill: where its KV blocks wait

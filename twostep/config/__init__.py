@@ -2,7 +2,8 @@
 speculative-decoding config and the KV-cache formats."""
 from twostep.config.engine import DTYPES, QUANTIZATION_METHODS, EngineConfig, check_quantization
 from twostep.config.kv_cache_dtype import KV_FORMATS, SCALE_DTYPE, KVFormat, kv_format
+from twostep.config.kv_transfer import KVTransferConfig
 from twostep.config.speculative import SpeculativeConfig
 
 __all__ = ["DTYPES", "QUANTIZATION_METHODS", "EngineConfig", "check_quantization", "KV_FORMATS", "SCALE_DTYPE", "KVFormat", "kv_format",
-           "SpeculativeConfig"]
+           "SpeculativeConfig", "KVTransferConfig"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from twostep.config.kv_cache_dtype import canonical_kv_dtype, kv_format
+from twostep.config.kv_transfer import KVTransferConfig
 from twostep.config.speculative import SpeculativeConfig
 
 # --quantization (vLLM's flag): kept here with the other choices the config checks
@@ -62,6 +63,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     tokenizer: str | None = None           # a tokenizer folder other than the model's own
     scheduling_policy: str = "fcfs"        # fcfs | priority (lower priority value first, vLLM's rule)
+    # Prefill/decode disaggregation: a KVTransferConfig, its dict or JSON text (--kv-transfer-config).
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)
@@ -82,5 +85,6 @@ class EngineConfig:
         kv_format(self.kv_cache_dtype)   # raises ValueError naming the choices
         check_quantization(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")

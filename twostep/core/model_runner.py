@@ -17,6 +17,7 @@ from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata
 from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
+from twostep.kv_transfer.blocks import scatter_blocks
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
 from twostep.sample.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -87,6 +88,12 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.zero_blocks(index)
         self._zeroed[fresh] = True
+
+    def write_blocks(self, block_ids: list[int], parts: list[torch.Tensor]) -> None:
+        """Store whole blocks received from another instance (prefill/decode disaggregation);
+        they count as written, so they are never zeroed afterwards."""
+        scatter_blocks(self.kv_caches, block_ids, parts)
+        self._zeroed[block_ids] = True
 
     def _prepare(self, items: list[ScheduledRequest]):
         ids: list[int] = []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from twostep.kv_transfer.params import RemotePrefill
 from twostep.outputs import RequestMetrics
 from twostep.sampling_params import SamplingParams
 from twostep.structured_output.grammar import Grammar
@@ -18,6 +19,7 @@ from twostep.structured_output.grammar import Grammar
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"   # its prompt's KV blocks are being loaded
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -48,6 +50,12 @@ class Request:
     grammar: Grammar | None = None
     priority: int = 0                # with the priority policy: lower first (vLLM's rule)
     arrival_index: int = 0           # order of arrival, set by the scheduler: ties go first come first
+    # Prefill/decode disaggregation: where this request's prompt KV is to be loaded from (a
+    # consumer; None once loaded or given up), whether its blocks are kept for a remote decode
+    # when it finishes (a producer), and the kv_transfer_params its final output carries.
+    remote_prefill: RemotePrefill | None = None
+    remote_decode: bool = False
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

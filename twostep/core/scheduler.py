@@ -29,6 +29,7 @@ from twostep.core.step_outputs import (EngineCoreOutput, ModelRunnerOutput, Sche
 from twostep.core.request import Request, RequestStatus
 from twostep.core.stop import check_stop
 from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.kv_transfer.connector import KVConnector
 from twostep.outputs import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", connector: KVConnector | None = None) -> None:
         self.kv = kv
+        self.connector = connector       # prefill/decode disaggregation, when configured
         self.policy = policy             # fcfs, or priority: admit the lowest (priority, arrival) first
         self._arrivals = 0
         self.max_num_seqs = max_num_seqs
@@ -58,6 +60,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats()
         self._released: list[str] = []               # finished or preempted, not yet taken
+        self.loading: dict[str, Request] = {}        # waiting for their prompt's remote KV blocks
+        self.sending: dict[str, Request] = {}        # finished; blocks held for a remote decode
 
     @property
     def num_preemptions(self) -> int:
@@ -69,14 +73,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.remote_prefill is not None:
+            self.connector.expect(request.request_id, request.remote_prefill)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- schedule ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.connector is not None:
+            self._poll_transfers(out)
         # Every decode's own token comes before any request's drafts.
         decodes_left = sum(not r.is_prefilling for r in self.running)
         # Decodes first, then partial prefills; sorted() is stable, so arrival order holds.
@@ -95,6 +103,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(self.max_num_batched_tokens - out.num_tokens, out)
         for request in out.finished:
+            if request.is_finished:          # a failed remote load, already ended
+                continue
             logger.warning("request %s no longer fits in the whole KV cache; ending it",
                            request.request_id)
             self._finish(request, "length")
@@ -163,9 +173,13 @@ class Scheduler:
             logger.debug("preempted %s (recompute later)", request.request_id)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             request = self._next_waiting()
             hits, num_hit = self._prefix_hits(request)
+            if request.remote_prefill is not None:
+                if not self._start_remote_load(request, hits, num_hit):
+                    break
+                continue
             n = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request.request_id, num_hit, n, hits):
                 break
@@ -180,6 +194,65 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
             budget -= n
 
+    # ---- remote prefill (prefill/decode disaggregation) ----------------------------------------
+
+    def _start_remote_load(self, request: Request, hits, num_hit: int) -> bool:
+        """Blocks for the whole prompt, local prefix-cache hits first; the rest are loaded from
+        the producer while the request waits (it computes no tokens meanwhile)."""
+        rid = request.request_id
+        if not self.kv.allocate_slots(rid, num_hit, request.num_prompt_tokens - num_hit, hits):
+            return False
+        first = num_hit // self.kv.block_size
+        self.connector.start_load(rid, request.remote_prefill, first, self.kv.block_ids(rid)[first:])
+        self.kv.record_lookup(request.num_tokens, num_hit)
+        m, now = request.metrics, time.monotonic()
+        m.first_scheduled_time, m.kv_load_start_time, m.num_cached_tokens = now, now, num_hit
+        request.num_computed_tokens = num_hit
+        self.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[rid] = request
+        return True
+
+    def _poll_transfers(self, out: SchedulerOutput) -> None:
+        """Apply the transfers that ended: a producer frees blocks a consumer has read (or whose
+        lease ran out); a consumer runs requests whose blocks arrived, from the last prompt token
+        (vLLM's rule: computing it gives the logits), and handles failed loads by its policy."""
+        events = self.connector.get_finished()
+        for rid in events.finished_sending:
+            if self.sending.pop(rid, None) is not None:
+                self.kv.free(rid)
+        now = time.monotonic()
+        for rid, num_bytes in events.finished_recving.items():
+            request = self.loading.pop(rid, None)
+            if request is None:
+                continue
+            m, last = request.metrics, request.num_prompt_tokens - 1
+            m.kv_load_end_time, m.kv_transfer_bytes = now, num_bytes
+            m.num_remote_tokens = last - request.num_computed_tokens
+            request.num_computed_tokens = last
+            self.kv.cache_full_blocks(rid, request.all_token_ids, last)
+            request.remote_prefill = None
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        for rid, error in events.failed_recving.items():
+            request = self.loading.pop(rid, None)
+            if request is not None:
+                self._load_failed(request, error, out)
+
+    def _load_failed(self, request: Request, error: str, out: SchedulerOutput) -> None:
+        request.metrics.kv_load_end_time = time.monotonic()
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.remote_prefill = None
+        if self.connector.failure_policy == "recompute":
+            logger.warning("request %s: %s; computing its prompt here (kv_load_failure_policy recompute)",
+                           request.request_id, error)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            return
+        self._finish(request, "error", error)
+        out.finished.append(request)
+
     def _prefix_hits(self, request: Request):
         """Cached leading blocks of a request starting from scratch (new or preempted).
         Requests that want prompt_logprobs compute every prompt position themselves."""
@@ -192,7 +265,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply a step's results to its requests and the KV cache; what changed, per request."""
-        outputs = [EngineCoreOutput(r.request_id, finish_reason=r.finish_reason)
+        outputs = [EngineCoreOutput(r.request_id, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
                    for r in scheduler_output.finished]
         if scheduler_output.is_empty:
             return outputs
@@ -239,7 +312,7 @@ class Scheduler:
         return EngineCoreOutput(rid, new_tokens,
                                 result.logprobs[:len(new_tokens)] if result.logprobs else None,
                                 result.prompt_logprobs, request.finish_reason, request.stop_reason,
-                                stopped_on_token=on_token)
+                                stopped_on_token=on_token, kv_transfer_params=request.kv_transfer_params)
 
     # ---- finishing, drafts, the cache's figures ------------------------------------------
 
@@ -258,14 +331,30 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.clear_draft()
+        rid = request.request_id
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        elif self.loading.pop(rid, None) is not None:
+            self.connector.cancel_load(rid)
+        if request.remote_prefill is not None:
+            self.connector.forget(rid)
+        if self._holds_for_remote_decode(request, reason, stop_reason):
+            request.kv_transfer_params = self.connector.request_finished(
+                rid, request.prompt_token_ids, self.kv.block_ids(rid))
+            self.sending[rid] = request
+        else:
+            self.kv.free(rid)
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
         self._released.append(request.request_id)
+
+    def _holds_for_remote_decode(self, request: Request, reason: str, stop_reason) -> bool:
+        """A producer's request that finished in its own step (not aborted, not cut by a stop
+        string after the step) keeps its blocks for the consumer named by its output."""
+        return (request.remote_decode and reason in ("stop", "length") and not isinstance(stop_reason, str)
+                and self.kv.num_blocks_of(request.request_id) > 0)
 
     def take_released(self) -> list[str]:
         """Requests finished or preempted since the last call: state kept for them elsewhere (a

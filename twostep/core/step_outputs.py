@@ -88,3 +88,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stopped_on_token: bool = False   # the last new token is the EOS or stop token that ended it
+    kv_transfer_params: dict | None = None   # a producer's finished request: where its blocks wait

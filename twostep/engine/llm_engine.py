@@ -19,6 +19,9 @@ from twostep.core.scheduler import Scheduler
 from twostep.engine.input_processor import InputProcessor, ModelLimits, PromptInput
 from twostep.engine.output_processor import OutputProcessor
 from twostep.engine.trace import StepTracer
+from twostep.kv_transfer.connector import KVConnector
+from twostep.kv_transfer.factory import make_connector
+from twostep.kv_transfer.params import RemotePrefill
 from twostep.models.loader import resolve_model_path
 from twostep.outputs import RequestOutput
 from twostep.platforms import get_platform, resolve_device, resolve_dtype
@@ -55,8 +58,10 @@ class LLMEngine:
         self.generation_config = t.generation_config
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
                     min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)
+        self.kv_connector: KVConnector | None = (make_connector(config.kv_transfer_config, t.runner.kv_caches)
+                                                 if config.kv_transfer_config else None)
         self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, self.kv_connector)
         self.proposer: Proposer | None = (make_proposer(config, t, self.platform, sampler)
                                           if config.speculative_config else None)
         self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
@@ -85,6 +90,8 @@ class LLMEngine:
         decoding) for each request that completed its known tokens. Returns outputs of requests
         that changed."""
         start = time.monotonic()
+        if self.kv_connector is not None:
+            self.kv_connector.write_loaded(self.runner.write_blocks)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -96,6 +103,8 @@ class LLMEngine:
             self._propose()
         self._trace(start, scheduler_output)
         outputs, self._pending = self._pending + processed.outputs, []
+        if scheduler_output.is_empty and self.scheduler.loading and not outputs:
+            self.kv_connector.wait(0.005)     # only remote loads in flight: do not spin
         return outputs
 
     def _propose(self) -> None:
@@ -155,11 +164,53 @@ class LLMEngine:
         for rid in processed.request_ids:
             if self.output_processor.is_known(rid):
                 raise ValueError(f"request_id {rid!r} is already in use")
+        self._attach_kv_transfer(processed.requests, params)
         self.output_processor.add(processed)
         for request in processed.requests:
             request.priority = priority
             self.scheduler.add_request(request)
         return request_id
+
+    def _attach_kv_transfer(self, requests, params: SamplingParams) -> None:
+        """kv_transfer_params (vLLM: in SamplingParams.extra_args): do_remote_decode keeps the
+        finished prefill's blocks for a consumer; do_remote_prefill loads the prompt's KV from
+        the producer they name. Checked here, so a bad one is a ValueError before anything runs."""
+        kv = (params.extra_args or {}).get("kv_transfer_params")
+        if kv is None:
+            return
+        c = self.kv_connector
+        if not isinstance(kv, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if c is None:
+            raise ValueError("kv_transfer_params need an engine started with --kv-transfer-config")
+        if len(requests) != 1:
+            raise ValueError("kv_transfer_params take one sequence per request (n = 1)")
+        request = requests[0]
+        if kv.get("do_remote_decode"):
+            if not c.is_producer:
+                raise ValueError(f"do_remote_decode needs kv_role kv_producer or kv_both; this engine is "
+                                 f"{self.config.kv_transfer_config.kv_role}")
+            request.remote_decode = True
+        if kv.get("do_remote_prefill"):
+            if not c.is_consumer:
+                raise ValueError(f"do_remote_prefill needs kv_role kv_consumer or kv_both; this engine is "
+                                 f"{self.config.kv_transfer_config.kv_role}")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs need the prompt computed here: not with do_remote_prefill")
+            remote = RemotePrefill.parse(kv)
+            remote.check_prompt(request.prompt_token_ids, self.config.block_size)
+            request.remote_prefill = remote
+
+    def has_pending_transfers(self) -> bool:
+        """KV blocks held for consumers, or loads in flight (prefill/decode disaggregation)."""
+        return self.kv_connector is not None and self.kv_connector.has_pending
+
+    def shutdown(self) -> None:
+        """Stop the KV transfer threads, if any (held blocks are no longer served)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+            self.scheduler.connector = None
 
     def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True,
                       finish_reason: str = "abort", stop_reason: str | None = None) -> None:
@@ -197,7 +248,7 @@ class LLMEngine:
             "num_preemptions": st.num_preemptions, "peak_blocks_used": st.peak_blocks_used,
         } | self.scheduler.kv_stats() | (
             {f"spec_decode_{k}": v for k, v in self.scheduler.spec_stats.as_dict().items()}
-            if self.proposer else {})
+            if self.proposer else {}) | (self.kv_connector.stats() if self.kv_connector else {})
 
     def enable_tracing(self) -> StepTracer:
         """Record every step and request from now on (Chrome trace-event JSON)."""
@@ -214,7 +265,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Waiting to be scheduled, or for their prompt's KV from a remote prefill (vLLM counts both)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.loading)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -39,6 +39,7 @@ class RequestState:
     emitted_text: str = ""           # text handed out so far (deltas concatenated)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None   # a producer's finished prefill: where its blocks wait
 
 
 @dataclass(slots=True)
@@ -86,6 +87,8 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(core.new_prompt_logprobs)
             if not core.new_token_ids and core.finish_reason is None:
                 continue                         # a prompt chunk that samples nothing
+            if core.kv_transfer_params is not None:
+                state.kv_transfer_params = core.kv_transfer_params
             prev_len = len(state.output_token_ids)
             stop_string = self._add_tokens(state, core, now)
             if stop_string is not None:
@@ -169,6 +172,7 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=[completion], finished=finished,
             metrics=state.metrics, num_cached_tokens=state.metrics.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
         )
         return self._merge_into_parent(out)
 

@@ -125,7 +125,8 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 self._expire_deadlines()
-                if self.engine.has_unfinished_requests():
+                # held KV blocks (a producer's) are freed by a step, even with nothing to run
+                if self.engine.has_unfinished_requests() or self.engine.has_pending_transfers():
                     outputs = self.engine.step()
                     self._deliver(outputs)
                     if self.on_step is not None:

@@ -94,6 +94,9 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0)
+    # prefill/decode disaggregation (vLLM's): {"do_remote_decode": true} to a prefill instance,
+    # the parameters its answer carries to a decode instance
+    kv_transfer_params: dict[str, Any] | None = None
     # would change the result and are not implemented: refused, never dropped
     use_beam_search: bool = False
 
@@ -160,6 +163,8 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=constraint or self.constraint(), logit_bias=self.token_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            extra_args=({"kv_transfer_params": self.kv_transfer_params}
+                        if self.kv_transfer_params is not None else None),
         )
 
 

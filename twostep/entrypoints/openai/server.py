@@ -127,6 +127,7 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
         state.engine.start()
         yield
         await state.engine.shutdown()
+        llm_engine.shutdown()
 
     app = FastAPI(title="twostep", lifespan=lifespan)
     app.state.twostep = state
@@ -372,6 +373,7 @@ class _Batch:
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
         self.prompt_logprobs: list = []    # per prompt, filled by _collect (echo)
+        self.kv_transfer_params: dict | None = None   # a prefill instance's answer for the decode one
 
     async def add(self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0) -> None:
         try:
@@ -403,8 +405,14 @@ class _Batch:
                     return
                 if isinstance(out, BaseException):
                     raise APIError(500, f"engine failure: {out}")
+                failed = [c.stop_reason for c in out.outputs if c.finish_reason == "error"]
+                if failed:          # e.g. a remote prefill's KV could not be loaded
+                    self.finished.add(out.request_id)
+                    raise APIError(500, str(failed[0]))
                 if out.finished:
                     self.finished.add(out.request_id)
+                    if out.kv_transfer_params is not None:
+                        self.kv_transfer_params = out.kv_transfer_params
                 yield self.request_ids.index(out.request_id), out
         finally:
             if left is not None:
@@ -441,6 +449,8 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
     prompts = body.prompts()
     if not prompts:
         raise APIError(400, "prompt is empty", "prompt")
+    if body.kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params take one prompt per request", "kv_transfer_params")
     if body.max_tokens is not None and body.max_tokens < 0:
         raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
     if body.max_tokens == 0 and not body.echo:
@@ -489,9 +499,9 @@ async def _completions(state: ServerState, body: CompletionRequest, raw: Request
             choice["prompt_logprobs"] = serving.prompt_logprobs(
                 tok, c.prompt_token_ids, batch.prompt_logprobs[c.index // body.n], body.prompt_logprobs)
         data.append(choice)
-    return {"id": batch.id, "object": "text_completion", "created": serving.now(),
-            "model": state.model_name, "choices": data,
-            "usage": serving.usage(choices, prompt_ids, cached)}
+    return _with_transfer({"id": batch.id, "object": "text_completion", "created": serving.now(),
+                           "model": state.model_name, "choices": data,
+                           "usage": serving.usage(choices, prompt_ids, cached)}, batch)
 
 
 async def _collect(batch: _Batch, n: int, raw: Request):
@@ -615,6 +625,13 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
     if body.prompt_logprobs is not None:
         response["prompt_logprobs"] = serving.prompt_logprobs(tok, prompt_ids[0], batch.prompt_logprobs[0],
                                                               body.prompt_logprobs)
+    return _with_transfer(response, batch)
+
+
+def _with_transfer(response: dict, batch: _Batch) -> dict:
+    """A prefill instance's answer names where its KV blocks wait (vLLM's kv_transfer_params)."""
+    if batch.kv_transfer_params is not None:
+        response["kv_transfer_params"] = batch.kv_transfer_params
     return response
 
 
@@ -827,8 +844,14 @@ def _params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs,
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except APIError as e:        # after the stream started: an error event, then the end
+            logger.warning("stream ended by an error: %s", e.message)
+            error = {"message": e.message, "type": _ERROR_TYPES.get(e.status, "APIError"),
+                     "param": e.param, "code": e.status}
+            yield f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
