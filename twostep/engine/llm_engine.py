@@ -203,7 +203,7 @@ class LLMEngine:
 
     def has_pending_transfers(self) -> bool:
         """KV blocks held for consumers, or loads in flight (prefill/decode disaggregation)."""
-        return self.kv_connector is not None and self.kv_connector.has_pending
+        return self.kv_connector is not None and (self.kv_connector.has_pending or bool(self.scheduler.sending))
 
     def shutdown(self) -> None:
         """Stop the KV transfer threads, if any (held blocks are no longer served)."""

@@ -74,12 +74,14 @@ class StepTracer:
                             "tid": self._row(request_id), "ts": self._us(at)})
 
     def record_request(self, request_id: str, m: RequestMetrics, finish_reason: str | None) -> None:
-        """The request's life as spans: queue -> prefill (to its first token) -> decode. A request
+        """The request's life as spans: queue -> (kv transfer ->) prefill (to its first token) -> decode. A request
         aborted before it was scheduled still gets its queue span, up to its end."""
         tid = self._row(request_id)
         queued_until = m.first_scheduled_time if m.first_scheduled_time is not None else m.finished_time
         spans = [("queue", m.arrival_time, queued_until),
-                 ("prefill", m.first_scheduled_time, m.first_token_time),
+                 # a decode instance of a disaggregated pair: the prompt's KV loaded from the prefill one
+                 ("kv transfer", m.kv_load_start_time, m.kv_load_end_time),
+                 ("prefill", m.kv_load_end_time or m.first_scheduled_time, m.first_token_time),
                  ("decode", m.first_token_time, m.finished_time)]
         for name, a, b in spans:
             if a is not None and b is not None:
@@ -89,7 +91,10 @@ class StepTracer:
                                              "generated_tokens": m.num_generated_tokens,
                                              "cached_tokens": m.num_cached_tokens,
                                              "preemptions": m.num_preemptions,
-                                             "finish_reason": finish_reason}})
+                                             "finish_reason": finish_reason,
+                                             **({"remote_tokens": m.num_remote_tokens,
+                                                 "kv_transfer_bytes": m.kv_transfer_bytes}
+                                                if name == "kv transfer" else {})}})
 
     def to_json(self) -> dict:
         return {"traceEvents": self.events, "displayTimeUnit": "ms"}

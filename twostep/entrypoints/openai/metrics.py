@@ -23,6 +23,12 @@ _ENGINE_COUNTERS = {   # engine stats key -> metric suffix
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    # prefill/decode disaggregation (with --kv-transfer-config)
+    "kv_transfer_bytes_sent": "kv_transfer_bytes_sent",
+    "kv_transfer_bytes_received": "kv_transfer_bytes_received",
+    "kv_transfer_num_loads": "kv_transfer_num_loads",
+    "kv_transfer_num_load_failures": "kv_transfer_num_load_failures",
+    "kv_transfer_num_leases_expired": "kv_transfer_num_leases_expired",
 }
 
 
@@ -52,6 +58,8 @@ class ServerMetrics:
                             REQUEST_LATENCY_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to last token.",
                            REQUEST_LATENCY_BUCKETS)
+        self.kv_load = hist("kv_transfer_load_seconds", "A remote prefill's KV blocks: load start to "
+                            "written here (decode instance).", TTFT_BUCKETS)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
@@ -79,6 +87,8 @@ class ServerMetrics:
             self.request_success.labels(name, completion.finish_reason or "abort").inc()
             self.generation_tokens.labels(name).inc(len(completion.token_ids))
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+        if m.kv_load_start_time is not None and m.kv_load_end_time is not None:
+            self.kv_load.labels(name).observe(m.kv_load_end_time - m.kv_load_start_time)
         if m.finished_time is not None:
             self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is not None:
