@@ -258,3 +258,28 @@ def test_roles_are_checked(folder, pair):
         plain.add_request([5, 6], with_transfer(GREEDY, {"do_remote_decode": True}))
     with pytest.raises(ValueError, match="n = 1"):
         prod.add_request([5, 6], with_transfer(dataclasses.replace(GREEDY, n=2), {"do_remote_decode": True}))
+
+
+def test_a_waiting_consumer_keeps_the_lease_alive(folder, single):
+    """The consumer runs one sequence at a time and is busy for longer than the producer's lease:
+    the waiting request's lease is extended, so its blocks are still there when it is admitted."""
+    prod = producer(folder, extra={"lease_s": 0.6})
+    cons = consumer(folder, max_num_seqs=1)
+    try:
+        prompt = random_prompts([25], seed=14)[0]
+        kv = prefill(prod, prompt)
+        busy = cons.add_request([7, 8, 9], dataclasses.replace(GREEDY, max_tokens=400))
+        rid = cons.add_request(prompt, with_transfer(GREEDY, kv))
+        start = time.monotonic()
+        while time.monotonic() - start < 1.5:          # two and a half leases
+            cons.step()
+            prod.step()                                # the producer would free expired blocks here
+            time.sleep(0.005)
+        assert rid in [r.request_id for r in cons.scheduler.waiting] and prod.scheduler.sending
+        cons.abort_request(busy)
+        out = finish(cons, rid)
+        assert out.outputs[0].token_ids == local(single, prompt, GREEDY).outputs[0].token_ids
+        assert prod.get_stats()["kv_transfer_num_leases_expired"] == 0
+    finally:
+        prod.shutdown()
+        cons.shutdown()

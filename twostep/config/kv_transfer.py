@@ -6,7 +6,8 @@
 A producer (the prefill instance) keeps a finished prefill's KV blocks under a lease and serves
 them on kv_ip:kv_port; a consumer (the decode instance) pulls them into its own blocks.
 kv_both does either, per request. kv_connector_extra_config: lease_s (how long a producer keeps
-unclaimed blocks, vLLM's 30 s; a consumer that has not pulled yet extends it) and timeout_s
+unclaimed blocks, vLLM's 30 s; a consumer whose request waits to be admitted extends it every
+third of it) and timeout_s
 (how long a consumer waits for a producer's answer before the load counts as failed).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 To the producer (prefill instance) the proxy sends {"do_remote_decode": true}; its answer carries
 where the blocks are: {"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port",
-"remote_request_id", "remote_block_ids", "num_prompt_tokens", "prompt_hash"}, which the proxy
+"remote_request_id", "remote_block_ids", "num_prompt_tokens", "prompt_hash", "lease_s"}, which the proxy
 passes to the consumer (decode instance) unchanged. prompt_hash lets the consumer check that the
 blocks belong to the very prompt it tokenized.
 """
@@ -30,6 +30,7 @@ class RemotePrefill:
     block_ids: tuple[int, ...]  # the producer's blocks, in prompt order
     num_prompt_tokens: int
     prompt_hash: str
+    lease_s: float = 30.0       # the producer's lease: a waiting consumer extends it well before
 
     @property
     def address(self) -> str:
@@ -46,9 +47,12 @@ class RemotePrefill:
         blocks = params["remote_block_ids"]
         if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
             raise ValueError("kv_transfer_params remote_block_ids must be positive block ids")
+        lease = params.get("lease_s", 30.0)
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
+            raise ValueError(f"kv_transfer_params lease_s must be a positive number, got {lease!r}")
         return cls(params["remote_engine_id"], params["remote_host"], params["remote_port"],
                    params["remote_request_id"], tuple(blocks), params["num_prompt_tokens"],
-                   params["prompt_hash"])
+                   params["prompt_hash"], float(lease))
 
     def check_prompt(self, token_ids: list[int], block_size: int) -> None:
         """The blocks must be this prompt's, and cover it."""
@@ -63,8 +67,8 @@ class RemotePrefill:
 
 
 def producer_params(engine_id: str, host: str, port: int, request_id: str, block_ids: list[int],
-                    prompt_token_ids: list[int]) -> dict:
+                    prompt_token_ids: list[int], lease_s: float) -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_host": host, "remote_port": port, "remote_request_id": request_id,
             "remote_block_ids": list(block_ids), "num_prompt_tokens": len(prompt_token_ids),
-            "prompt_hash": prompt_hash(prompt_token_ids)}
+            "prompt_hash": prompt_hash(prompt_token_ids), "lease_s": lease_s}

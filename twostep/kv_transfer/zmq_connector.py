@@ -117,13 +117,13 @@ class ZmqConnector(KVConnector):
         with self._lock:
             load = self._loads.pop(request_id, None)
         if load is not None:
-            self._jobs.put(("release", load.remote, request_id))
+            self._jobs.put(("release", load.remote))
 
     def request_finished(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int]) -> dict:
         with self._lock:
             self._leases[request_id] = _Lease(list(block_ids), time.monotonic() + self.lease_s)
         return producer_params(self.engine_id, self.config.kv_ip, self.port, request_id, block_ids,
-                               prompt_token_ids)
+                               prompt_token_ids, self.lease_s)
 
     def expect(self, request_id: str, remote: RemotePrefill) -> None:
         self._expected[request_id] = (remote, time.monotonic())
@@ -134,8 +134,8 @@ class ZmqConnector(KVConnector):
     def get_finished(self) -> TransferEvents:
         now = time.monotonic()
         for rid, (remote, touched) in list(self._expected.items()):
-            if now - touched > self.lease_s / 3:
-                self._jobs.put(("extend", remote, rid))
+            if now - touched > remote.lease_s / 3:
+                self._jobs.put(("extend", remote))
                 self._expected[rid] = (remote, now)
         with self._lock:
             events, self._events = self._events, TransferEvents()
@@ -257,9 +257,9 @@ class ZmqConnector(KVConnector):
                     return
                 if job[0] == "load":
                     self._load(peers, job[1])
-                else:
-                    op, remote, rid = job
-                    peers.send(remote.address, {"op": op, "request_id": rid})
+                else:                                # extend or release the producer's lease
+                    op, remote = job
+                    peers.send(remote.address, {"op": op, "request_id": remote.request_id})
         finally:
             peers.close()
 
@@ -292,10 +292,11 @@ class _Peers:
     def __init__(self, ctx: zmq.Context, layout: CacheLayout, timeout_s: float) -> None:
         self._ctx, self._layout, self._timeout_ms = ctx, layout, int(timeout_s * 1000)
         self._sockets: dict[str, zmq.Socket] = {}
+        self._checked: set[str] = set()          # producers whose layout matched ours
 
     def read(self, remote: RemotePrefill, first_block: int, num_blocks: int) -> list[torch.Tensor]:
         address = remote.address
-        if address not in self._sockets:
+        if address not in self._checked:
             self._handshake(address)
         frames = self._ask(address, {"op": "read", "request_id": remote.request_id,
                                      "first_block": first_block, "num_blocks": num_blocks})
@@ -308,19 +309,22 @@ class _Peers:
                     torch.empty(0, dtype=torch.uint8) for f in frames[1:]]
 
     def send(self, address: str, msg: dict) -> None:
-        sock = self._sockets.get(address)
-        if sock is not None:
-            sock.send(_encode(msg))
+        """A message without an answer (extend, release); zmq queues it until connected."""
+        self._socket(address).send(_encode(msg))
 
     def close(self) -> None:
         for sock in self._sockets.values():
             sock.close(linger=0)
 
+    def _socket(self, address: str) -> zmq.Socket:
+        if address not in self._sockets:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._sockets[address] = sock
+        return self._sockets[address]
+
     def _handshake(self, address: str) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._sockets[address] = sock
         header = _decode(self._ask(address, {"op": "handshake"})[0].bytes)
         problems = self._layout.mismatches(header.get("layout", {}))
         if problems:
@@ -328,9 +332,10 @@ class _Peers:
             raise _TransferError(f"KV cache layout of {header.get('engine_id', address)} does not match "
                                  f"this instance's: {'; '.join(problems)} (start both with the same model, "
                                  "--block-size and --kv-cache-dtype)")
+        self._checked.add(address)
 
     def _ask(self, address: str, msg: dict) -> list[zmq.Frame]:
-        sock = self._sockets[address]
+        sock = self._socket(address)
         sock.send(_encode(msg))
         if not sock.poll(self._timeout_ms):
             self._drop(address)
@@ -340,6 +345,7 @@ class _Peers:
 
     def _drop(self, address: str) -> None:
         self._sockets.pop(address).close(linger=0)
+        self._checked.discard(address)
 
 
 def _encode(msg: dict) -> bytes:
