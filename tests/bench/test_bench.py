@@ -28,6 +28,13 @@ def test_nano_vllm_workload_scales_down_to_its_first_requests():
     assert workloads.nano_vllm(vocab_size=1000, num_prompts=8) == full[:8]
 
 
+def test_long_and_short_spreads_the_long_prompts_among_the_short():
+    w = workloads.long_and_short(8, 16, 32, 2, 300, 4, vocab_size=50, seed=1)
+    shape = [(len(r.prompt_token_ids), r.output_len) for r in w]
+    assert shape == [(16, 32)] * 4 + [(300, 4)] + [(16, 32)] * 4 + [(300, 4)]
+    assert w == workloads.long_and_short(8, 16, 32, 2, 300, 4, vocab_size=50, seed=1)
+
+
 def test_bad_ranges_are_refused():
     with pytest.raises(ValueError):
         workloads.uniform(1, (0, 5), (1, 2), 10)

@@ -23,8 +23,9 @@ GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "seed": 5, "max_tokens": 24, "ignore_eos": True}
 
 
-def producer_args(port: int, *extra: str) -> list[str]:
-    config = {"kv_connector": "ZmqConnector", "kv_role": "kv_producer", "kv_port": port}
+def producer_args(port: int, *extra: str, lease_s: float = 30.0) -> list[str]:
+    config = {"kv_connector": "ZmqConnector", "kv_role": "kv_producer", "kv_port": port,
+              "kv_connector_extra_config": {"lease_s": lease_s}}
     return ["--kv-transfer-config", json.dumps(config), *extra]
 
 
@@ -252,3 +253,42 @@ def test_bad_transfer_parameters_are_400(doomed):
     r = httpx.post(doomed["fail"].base + "/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": [[5, 6], [7, 8]], "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "one prompt" in r.json()["error"]["message"]
+
+
+# ---- a decode instance that dies, and blocks nobody claims -------------------------------------
+
+@pytest.fixture(scope="module")
+def fragile(folder, logs):
+    kv = ["--max-model-len", "4096", "--kv-cache-memory", "64MiB"]
+    prefill = Server(folder, logs, *kv, *producer_args(free_port(), lease_s=1.0))
+    decode = Server(folder, logs, *kv, *consumer_args())
+    proxy = Proxy(prefill, decode, logs)
+    yield prefill, decode, proxy
+    proxy.stop()
+    prefill.kill()
+    decode.kill()
+
+
+def test_unclaimed_blocks_are_freed_when_the_lease_ends(fragile):
+    """A decode instance that never comes for its blocks (it died): the idle prefill instance
+    frees them when the lease runs out."""
+    prefill, _, _ = fragile
+    r = httpx.post(prefill.base + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": random_prompts([60], seed=2)[0], "max_tokens": 1,
+                         "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["lease_s"] == 1.0
+    assert metric(scrape(prefill), "twostep:kv_cache_usage_perc") > 0        # held for a consumer
+    wait_for(lambda: idle(prefill), timeout=5, what="the lease to end")
+    assert metric(scrape(prefill), "twostep:kv_transfer_num_leases_expired") == 1
+
+
+def test_decode_instance_dying_mid_stream_ends_the_clients_stream(fragile):
+    prefill, decode, proxy = fragile
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", proxy.base + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        decode.kill()
+        rest = [line for line in lines if line.strip()]       # ends: no hang
+    assert "broke off" in json.loads(rest[-1].removeprefix("data: "))["error"]["message"]
+    wait_for(lambda: idle(prefill), what="the prefill instance to hold nothing")

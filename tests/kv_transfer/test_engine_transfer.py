@@ -283,3 +283,17 @@ def test_a_waiting_consumer_keeps_the_lease_alive(folder, single):
     finally:
         prod.shutdown()
         cons.shutdown()
+
+
+def test_the_trace_shows_the_transfer(folder):
+    prod, cons = producer(folder), consumer(folder)
+    tracer = cons.enable_tracing()
+    try:
+        prompt = random_prompts([40], seed=15)[0]
+        decode(cons, prompt, prefill(prod, prompt))
+        spans = [e for e in tracer.events if e.get("name") == "kv transfer"]
+        assert len(spans) == 1 and spans[0]["dur"] > 0
+        assert spans[0]["args"]["remote_tokens"] == 39 and spans[0]["args"]["kv_transfer_bytes"] > 0
+    finally:
+        prod.shutdown()
+        cons.shutdown()

@@ -349,14 +349,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset", choices=["fixed", "random", "nano-vllm"], default="fixed",
-                   help="fixed lengths, random lengths in ranges, or nano-vllm's shared workload")
+    p.add_argument("--dataset", choices=["fixed", "random", "nano-vllm", "long-short"], default="fixed",
+                   help="fixed lengths, random lengths in ranges, nano-vllm's shared workload, or "
+                        "long-short: --num-prompts short requests (--input-len, --output-len) with "
+                        "--long-prompts long ones spread among them")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests (default: 32; nano-vllm: its 256, or its first N)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--random-input-range", default="100:1024", help="with --dataset random")
     p.add_argument("--random-output-range", default="100:1024", help="with --dataset random")
+    p.add_argument("--long-prompts", type=int, default=4, help="with --dataset long-short")
+    p.add_argument("--long-input-len", type=int, default=2048, help="with --dataset long-short")
+    p.add_argument("--long-output-len", type=int, default=16, help="with --dataset long-short")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
                    help=f"prompt token ids are drawn below this (default {DEFAULT_VOCAB}: valid for any "
@@ -373,6 +378,10 @@ def build_workload(args: argparse.Namespace) -> list[workloads.BenchRequest]:
     if args.dataset == "nano-vllm":
         return workloads.nano_vllm(args.vocab_size, args.num_prompts)
     n = args.num_prompts or 32
+    if args.dataset == "long-short":
+        return workloads.long_and_short(n, args.input_len, args.output_len, args.long_prompts,
+                                        args.long_input_len, args.long_output_len, args.vocab_size,
+                                        args.workload_seed)
     if args.dataset == "random":
         return workloads.uniform(n, workloads.parse_range(args.random_input_range),
                                  workloads.parse_range(args.random_output_range), args.vocab_size,

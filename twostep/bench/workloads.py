@@ -39,6 +39,21 @@ def uniform(num_prompts: int, input_range: tuple[int, int], output_range: tuple[
     return out
 
 
+def long_and_short(num_short: int, short_input: int, short_output: int, num_long: int, long_input: int,
+                   long_output: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Short chats with long prompts spread evenly among them (the disaggregation workload: long
+    prefills arriving while short requests decode). Order is arrival order."""
+    short = fixed(num_short, short_input, short_output, vocab_size, seed)
+    long = fixed(num_long, long_input, long_output, vocab_size, seed + 1)
+    out: list[BenchRequest] = []
+    every = max(num_short // max(num_long, 1), 1)
+    for i, request in enumerate(short):
+        out.append(request)
+        if long and (i + 1) % every == 0:
+            out.append(long.pop(0))
+    return out + long
+
+
 def nano_vllm(vocab_size: int, num_prompts: int | None = None) -> list[BenchRequest]:
     """The shared workload; num_prompts keeps its first requests (the same ones at any scale)."""
     full = uniform(NANO_VLLM["num_prompts"], NANO_VLLM["input_range"], NANO_VLLM["output_range"],

@@ -25,7 +25,8 @@ EXTRA_KEYS = {"lease_s": 30.0, "timeout_s": 10.0}
 class KVTransferConfig:
     kv_connector: str = "ZmqConnector"
     kv_role: str = "kv_both"
-    kv_ip: str = "127.0.0.1"          # where a producer listens (and what it tells consumers)
+    kv_ip: str = "127.0.0.1"          # where a producer listens and what it tells consumers: across
+                                      # machines, this machine's address that the decode instances reach
     kv_port: int = 14579              # 0: any free port
     engine_id: str | None = None      # named in transfer parameters and logs; default host:port
     kv_load_failure_policy: str = "fail"   # fail: the request ends with an error; recompute: prefill here

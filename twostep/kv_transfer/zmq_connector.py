@@ -188,8 +188,9 @@ class ZmqConnector(KVConnector):
         self._stopping.set()
         self._jobs.put(None)
         for thread in self._threads:
-            thread.join(timeout=5)
-        self._ctx.term()
+            thread.join(timeout=self.timeout_s + 1)
+        if not any(t.is_alive() for t in self._threads):   # each closed its own sockets
+            self._ctx.term()
 
     # ---- producer: the server thread -----------------------------------------------------------
 
