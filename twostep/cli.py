@@ -65,6 +65,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (k)")
     spec.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
     spec.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
+    tp = p.add_argument_group("tensor parallelism")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                    help="split the model over this many processes (torch.distributed: gloo on CPU, NCCL "
+                         "on GPUs); this process is rank 0, the others are started here")
+    tp.add_argument("--distributed-init-method", default=None, metavar="URL",
+                    help="torch.distributed's rendezvous, e.g. tcp://127.0.0.1:29500 (default: "
+                         "$MASTER_ADDR:$MASTER_PORT when set, else a free local port)")
+    tp.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s, metavar="S",
+                    help="a rank that does not answer within this many seconds ends the engine")
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='prefill/decode disaggregation (vLLM\'s keys), e.g. \'{"kv_connector": "ZmqConnector", '
                         '"kv_role": "kv_producer", "kv_port": 14579}\' on the prefill instance and '
@@ -95,7 +104,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
-        kv_transfer_config=args.kv_transfer_config,
+        kv_transfer_config=args.kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method, distributed_timeout_s=args.distributed_timeout,
     )
 
 
@@ -219,8 +229,15 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from twostep.core.tp_group import launched_rank, run_launched_worker
     from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import ServerConfig, run_server
+
+    if launched_rank(args.tensor_parallel_size):   # torchrun started this rank > 0: a worker, no server
+        import torch
+
+        backend = "nccl" if args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()) else "gloo"
+        return run_launched_worker(args.tensor_parallel_size, backend, args.distributed_timeout)
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -267,6 +284,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 final = out
     sys.stdout.write("\n")
+    engine.shutdown()
     print(summary_line(final, engine), file=sys.stderr)
     if tracer is not None:
         tracer.write(args.trace)

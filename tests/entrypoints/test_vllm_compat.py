@@ -110,8 +110,8 @@ def test_trust_remote_code_does_not_make_an_architecture(folder, tmp_path):
 
 
 def test_arguments_that_cannot_apply_say_so(folder):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        LLM(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(folder, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(folder, gpu_memory_utilization=1e-6)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

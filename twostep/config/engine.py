@@ -65,6 +65,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"        # fcfs | priority (lower priority value first, vLLM's rule)
     # Prefill/decode disaggregation: a KVTransferConfig, its dict or JSON text (--kv-transfer-config).
     kv_transfer_config: KVTransferConfig | dict | str | None = None
+    # Tensor parallelism: ranks (processes) one model is split over; rank 0 is this process.
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None   # e.g. tcp://10.0.0.1:29500; default $MASTER_ADDR:$MASTER_PORT or a free local port
+    distributed_timeout_s: float = 60.0          # a rank that does not answer within it ends the engine
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)
@@ -76,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -86,5 +90,9 @@ class EngineConfig:
         check_quantization(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.tensor_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError("tensor parallelism with a KV transfer config is not supported yet")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")

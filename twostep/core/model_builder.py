@@ -11,6 +11,7 @@ import torch
 
 from twostep.attention.selector import get_attention_backend
 from twostep.config import kv_format
+from twostep.distributed.parallel import TensorParallel
 from twostep.core.model_runner import ModelRunner
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
@@ -50,6 +51,7 @@ class ModelSpec:
     attention_backend: str = "auto"
     vocab_size: int | None = None              # the vocabulary it must have (a draft: the target's)
     quantization: str | None = None            # EngineConfig.quantization
+    tp: TensorParallel = TensorParallel()      # this process's rank and the tensor-parallel size
 
 
 @dataclass(slots=True)
@@ -78,8 +80,9 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
         raise ValueError(f"model {spec.path} has a vocabulary of {config.vocab_size} tokens where "
                          f"{spec.vocab_size} are needed: a draft must share the target's tokenizer")
     max_model_len = resolve_max_model_len(config, spec.max_model_len, spec.cap_max_model_len)
-    model = build_model(ckpt, spec.dtype, device, max_model_len)
+    model = build_model(ckpt, spec.dtype, device, max_model_len, spec.tp)
     ckpt.tensors = {}
+    shard = model.config                       # this rank's heads (the whole model's at size 1)
     for line in apply_platform(model, spec.platform, spec.dtype):
         logger.info(line)
     spec.platform.release_memory()
@@ -87,10 +90,10 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     logger.info("weights: %.1f MiB for %.1fM weights (%.2f bits per weight)", held / 2**20, weights / 1e6,
                 8 * held / max(weights, 1))
     # Sized after the weights are in place: "a fraction of free memory" means what they left.
-    plan = _plan_kv(config, spec.dtype, device, cache, max_model_len)
+    plan = _plan_kv(shard, spec.dtype, device, cache, max_model_len)
     max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     fmt = kv_format(cache.kv_cache_dtype)
-    kv_caches = allocate_kv_cache(plan, config.num_layers, config.num_kv_heads, config.head_dim,
+    kv_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
                                   spec.dtype, device, fmt)
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)

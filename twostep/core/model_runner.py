@@ -9,6 +9,8 @@ of a request verifying drafts, plus prompt positions of requests that asked for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
@@ -21,6 +23,23 @@ from twostep.kv_transfer.blocks import scatter_blocks
 from twostep.models.decoder import DecoderForCausalLM
 from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
 from twostep.sample.sampler import Sampler, SamplingRow, prompt_logprobs
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One forward's inputs, as every tensor-parallel rank runs them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    blocks: list[int]            # blocks written this step (zeroed on first use)
+
+
+class StepBroadcast(Protocol):
+    """Tensor parallelism (core/tp_group.py): hands a step's inputs and logit rows to the other
+    ranks, and turns a failed collective during the step into an error that names the rank."""
+
+    def step(self, inputs: StepInputs, rows: list[int] | None) -> AbstractContextManager: ...
 
 
 @dataclass(slots=True)
@@ -41,6 +60,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler)
+        self.peers: StepBroadcast | None = None      # the other tensor-parallel ranks, if any
         # The cache is allocated uninitialised (fast start, no memory until used). A block is
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
@@ -53,31 +73,41 @@ class ModelRunner:
         items = scheduler_output.scheduled
         if not items:
             return ModelRunnerOutput()
-        hidden, common = self._forward(items)
-        rows = self._logit_rows(items, common)
-        if not rows.flat_indices:
+        inputs = self._prepare(items)
+        rows = self._logit_rows(items, inputs.meta)
+        _, logits = self._run(inputs, rows.flat_indices or None)
+        if logits is None:
             return ModelRunnerOutput([StepResult() for _ in items])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows.flat_indices, device=self.device)])
         return ModelRunnerOutput(self._results(items, logits, rows))
 
     @torch.inference_mode()
     def all_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position (flat, [T, vocab]); for checks against a reference.
         Writes K/V like a normal step but samples nothing."""
-        hidden, _ = self._forward(scheduler_output.scheduled)
-        return self.model.compute_logits(hidden)
+        inputs = self._prepare(scheduler_output.scheduled)
+        return self._run(inputs, list(range(len(inputs.input_ids))))[1]
 
     @torch.inference_mode()
     def last_logits(self, items: list[ScheduledRequest]) -> torch.Tensor:
         """Logits [len(items), vocab] at each item's last position (a draft model's proposals)."""
-        hidden, common = self._forward(items)
-        last = torch.tensor(common.query_start_loc[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])
+        inputs = self._prepare(items)
+        return self._run(inputs, [end - 1 for end in inputs.meta.query_start_loc[1:]])[1]
 
-    def _forward(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata]:
-        input_ids, positions, common = self._prepare(items)
-        meta = self.backend.build_metadata(common)
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), common
+    def _run(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward (on every tensor-parallel rank) and the logits at these rows, if any."""
+        if self.peers is None:
+            return self.run_local(inputs, rows)
+        with self.peers.step(inputs, rows):
+            return self.run_local(inputs, rows)
+
+    def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of a step: a tensor-parallel worker runs what rank 0 sent it."""
+        self.ensure_zeroed(inputs.blocks)
+        meta = self.backend.build_metadata(inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)
+        if rows is None:
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def ensure_zeroed(self, block_ids: list[int]) -> None:
         """Zero those of these blocks that were never written (see __init__)."""
@@ -110,7 +140,6 @@ class ModelRunner:
             qlens.append(s.num_tokens)
             slens.append(end)
             tables.append(block_ids)
-        self.ensure_zeroed(sorted({sl // bs for sl in slots}))
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [NULL_BLOCK_ID] * (width - len(t)) for t in tables],
                              dtype=torch.int64, device=self.device)
@@ -122,7 +151,7 @@ class ModelRunner:
             is_decode=[s.num_tokens == 1 or bool(s.spec_token_ids) for s in items],
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return to_dev(ids), to_dev(pos), meta
+        return StepInputs(to_dev(ids), to_dev(pos), meta, sorted({sl // bs for sl in slots}))
 
     def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])

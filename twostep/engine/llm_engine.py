@@ -5,7 +5,9 @@ inputs (input_processor.py), outputs (output_processor.py), scheduling and reque
 (core/scheduler.py), the model and its cache (core/model_builder.py)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from typing import Iterable
 
@@ -16,6 +18,8 @@ from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instanc
 from twostep.core.step_outputs import SchedulerOutput
 from twostep.core.proposer import Proposer
 from twostep.core.scheduler import Scheduler
+from twostep.core.tp_group import TPGroup, WorkerSpec, cores_for, default_init_method, launched_rank
+from twostep.distributed.parallel import TensorParallel
 from twostep.engine.input_processor import InputProcessor, ModelLimits, PromptInput
 from twostep.engine.output_processor import OutputProcessor
 from twostep.engine.trace import StepTracer
@@ -37,20 +41,25 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        if tp.enabled:
+            self._pin_rank0(tp)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.platform = get_platform(resolve_device(config.device), config.cpu_prepack_weights,
                                      config.cpu_gemv)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        target = build_model_instance(
-            ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
-                      attention_backend=config.attention_backend, quantization=config.quantization),
-            CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
-                      config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
-                      config.max_num_seqs, config.gpu_memory_utilization),
-            sampler)
+        model_spec = ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
+                               attention_backend=config.attention_backend, quantization=config.quantization, tp=tp)
+        cache_spec = CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
+                               config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
+                               config.max_num_seqs, config.gpu_memory_utilization)
+        target = build_model_instance(model_spec, cache_spec, sampler)
         t = target
+        self.tp_group: TPGroup | None = None
+        if tp.enabled:     # the workers build their shards with rank 0's cache size
+            self.tp_group = t.runner.peers = self._start_workers(model_spec, cache_spec, t)
         self.model_path, self.model_config, self.max_model_len = t.path, t.config, t.max_model_len
         self.model, self.runner, self.kv_plan = t.model, t.runner, t.kv_plan
         self.tokenizer = _make_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
@@ -78,6 +87,27 @@ class LLMEngine:
         logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d", t.path,
                     t.config.architecture, t.config.num_layers, str(self.dtype).removeprefix("torch."),
                     self.device, self.max_model_len)
+
+    def _pin_rank0(self, tp: TensorParallel) -> None:
+        """Rank 0's share of this machine's cores (all ranks here, or torchrun's ranks on it)."""
+        local = (0, tp.world_size)
+        if launched_rank(tp.world_size) is not None:
+            local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        cpus = cores_for(*local)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+            if not self.config.num_threads:
+                torch.set_num_threads(len(cpus))
+
+    def _start_workers(self, model_spec: ModelSpec, cache_spec: CacheSpec, t) -> TPGroup:
+        c = self.config
+        spec = WorkerSpec(dataclasses.replace(model_spec, platform=None, max_model_len=t.max_model_len),
+                          dataclasses.replace(cache_spec, num_blocks=t.kv_plan.num_blocks),
+                          str(self.device), c.cpu_prepack_weights, c.cpu_gemv,
+                          "nccl" if self.device.type == "cuda" else "gloo",
+                          c.distributed_init_method or default_init_method(), c.distributed_timeout_s,
+                          num_threads=c.num_threads)
+        return TPGroup(spec, c.tensor_parallel_size)
 
     @classmethod
     def from_args(cls, **kwargs) -> "LLMEngine":
@@ -206,7 +236,11 @@ class LLMEngine:
         return self.kv_connector is not None and (self.kv_connector.has_pending or bool(self.scheduler.sending))
 
     def shutdown(self) -> None:
-        """Stop the KV transfer threads, if any (held blocks are no longer served)."""
+        """Stop the tensor-parallel workers and the KV transfer threads, if any (held blocks are
+        no longer served)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+            self.tp_group = self.runner.peers = None
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None

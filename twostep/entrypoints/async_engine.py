@@ -50,6 +50,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.on_step = on_step                      # runs in the engine thread (metrics)
+        self.on_failure: Callable[[BaseException], None] | None = None   # the loop died (the server exits)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}
         self._deadlines: dict[str, float] = {}
@@ -135,6 +136,8 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self.error = e
             self._fail_all(e)
+            if self.on_failure is not None:
+                self.on_failure(e)
             return
         self._abort_all()
 

@@ -20,14 +20,11 @@ class LLM:
     max_model_len, quantization, gpu_memory_utilization and the other EngineConfig fields;
     trust_remote_code (twostep never runs a checkpoint's code: its own decoder covers the
     architectures it lists, any other is refused by name), enforce_eager (twostep always runs
-    eagerly), and tensor_parallel_size 1 (one process)."""
+    eagerly), and tensor_parallel_size (worker processes on torch.distributed)."""
 
     def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, **engine_args) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: this engine runs in one process "
-                             "(tensor_parallel_size 1)")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, deque[RequestOutput]] = {}
 

@@ -5,6 +5,9 @@ Module names mirror HF's, except that q/k/v and gate/up are fused into one matmu
 larger matmuls per layer. forward() takes a flat batch of tokens (no padding) plus the attention
 backend and the metadata it built for this step, and knows nothing of requests or scheduling.
 Platforms and weight formats plug in from outside (layers/dispatch.py): this file is the math.
+Under tensor parallelism (distributed/parallel.py) the config is a rank's share (its heads and
+intermediate features) and three places meet the other ranks: the sum after o_proj and after
+down_proj, the vocab-parallel lookup, and the logits gathered over the vocabulary.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 from torch import nn
 
 from twostep.attention.backend import AttentionBackend
+from twostep.distributed.parallel import TensorParallel
 from twostep.layers.activation import SiluAndMul
 from twostep.layers.embedding import Embedding
 from twostep.layers.linear import Linear
@@ -21,8 +25,9 @@ from twostep.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -49,27 +54,28 @@ class Attention(nn.Module):
         else:       # q's and k's heads side by side in qkv: rotated in place, in one call
             rope.apply_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, rope, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, residual: the stream before it (None at the first layer,
@@ -85,21 +91,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size // tp.world_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
     """embed -> N x [norm, attention, norm, MLP] -> norm; lm_head only where logits are needed."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // tp.world_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -116,7 +122,7 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list, meta,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.tp.embed(self.model.embed_tokens, input_ids, self.config.vocab_size)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -124,4 +130,4 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.tp.gather_last_dim(self.lm_head(hidden).float())

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from twostep.models.config import ModelConfig
+from twostep.distributed.parallel import TensorParallel
 from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.sharding import local_config, shard_tensors
 from twostep.models.weights import fuse_projections
 from twostep.quantization.packed import QuantizedWeight
 from twostep.config import check_quantization
@@ -165,10 +167,14 @@ def num_weights(ckpt: LoadedCheckpoint) -> int:
 
 
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> DecoderForCausalLM:
-    """Build on the meta device (no random init), then adopt the checkpoint tensors."""
+                max_positions: int, tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
+    """Build on the meta device (no random init), then adopt the checkpoint tensors (this rank's
+    share of them under tensor parallelism; ckpt.config becomes the rank's config)."""
+    if tp.enabled:
+        ckpt.tensors = shard_tensors(ckpt.tensors, ckpt.config, tp)
+        ckpt.config = local_config(ckpt.config, tp)
     with torch.device("meta"):
-        model = DecoderForCausalLM(ckpt.config)
+        model = DecoderForCausalLM(ckpt.config, tp)
     expected = set(model.state_dict().keys())
     ckpt.tensors = fuse_projections(ckpt.tensors, ckpt.config.num_layers)
     if ckpt.config.tie_word_embeddings:

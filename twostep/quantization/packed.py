@@ -85,6 +85,26 @@ class PackedWeight:
         return dataclasses.replace(self, n=int(index.numel()), qs=picked[0], qh=picked[1],
                                    scales=picked[2], mins=picked[3])
 
+    def columns(self, start: int, end: int) -> PackedWeight:
+        """Weights start..end of every row (a tensor-parallel rank's input slice), at whole blocks
+        and whole groups; a scale per row (int8's) stays the row's scale."""
+        per_row = self.fmt.group == self.k
+        for edge in (start, end):
+            if edge % BLOCK or (edge % self.fmt.group and not per_row):
+                raise ValueError(f"{self.fmt.name}: cannot cut rows at weight {edge}: not a boundary of "
+                                 f"its {BLOCK}-weight blocks and {self.fmt.group}-weight groups")
+        blocks = self.k // BLOCK
+        cut = lambda t: None if t is None else t[:, start // BLOCK * (t.shape[1] // blocks):  # noqa: E731
+                                                 end // BLOCK * (t.shape[1] // blocks)].contiguous()
+        if per_row:
+            fmt, scales, mins = dataclasses.replace(self.fmt, group=end - start), self.scales, self.mins
+        else:
+            g = self.fmt.group
+            fmt, scales = self.fmt, self.scales[:, start // g:end // g].contiguous()
+            mins = None if self.mins is None else self.mins[:, start // g:end // g].contiguous()
+        return dataclasses.replace(self, fmt=fmt, k=end - start, qs=cut(self.qs), qh=cut(self.qh),
+                                   scales=scales, mins=mins)
+
     def codes(self) -> torch.Tensor:
         """The integer codes [n, k] (int16), unpacked from the planes."""
         bits, n, k = self.fmt.bits, self.n, self.k
@@ -182,6 +202,19 @@ class QuantizedWeight:
             else:
                 merged.append([part])
         return QuantizedWeight(tuple(group[0] if len(group) == 1 else concat_rows(group) for group in merged))
+
+    def row_range(self, start: int, end: int) -> QuantizedWeight:
+        """Rows start..end, wherever they fall among the parts (a tensor-parallel rank's share)."""
+        out, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start - offset, 0), min(end - offset, part.n)
+            if lo < hi:
+                out.append(part.rows(torch.arange(lo, hi)))
+            offset += part.n
+        return QuantizedWeight(tuple(out))
+
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        return QuantizedWeight(tuple(p.columns(start, end) for p in self.parts))
 
     @property
     def n(self) -> int:

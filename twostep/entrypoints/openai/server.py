@@ -875,8 +875,16 @@ def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int
     server = _QuietSignalsServer(config)
     engine: AsyncEngine = app.state.twostep.engine
 
+    failed: list[BaseException] = []
+
     async def serve() -> None:
         loop = asyncio.get_running_loop()
+
+        def on_failure(error: BaseException) -> None:   # the engine cannot serve any more: exit
+            failed.append(error)
+            loop.call_soon_threadsafe(server.request_exit)
+
+        engine.on_failure = on_failure
 
         def on_signal() -> None:
             if server.should_exit:
@@ -889,6 +897,9 @@ def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int
         await server.serve()
 
     asyncio.run(serve())
+    if failed:
+        logger.error("exiting: the engine failed: %s", failed[0])
+        return 1
     return 0
 
 
