@@ -233,7 +233,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import ServerConfig, run_server
 
-    if launched_rank(args.tensor_parallel_size):   # torchrun started this rank > 0: a worker, no server
+    if args.tensor_parallel_size > 1 and launched_rank(args.tensor_parallel_size):
+        # torchrun started this rank > 0: a worker of rank 0, no server
         import torch
 
         backend = "nccl" if args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()) else "gloo"

@@ -53,6 +53,7 @@ def test_two_ranks_match_one(tiny_model_dir, arch):
         two.shutdown()
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             for token, lp in pb.items():
                 assert abs(pa[token].logprob - lp.logprob) < 1e-4
@@ -202,6 +203,7 @@ def test_quantized_weights_are_sharded_too(tiny_model_dir, method):
         two.shutdown()
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             for token, lp in pb.items():
                 assert abs(pa[token].logprob - lp.logprob) < 1e-3

@@ -297,3 +297,41 @@ def test_the_trace_shows_the_transfer(folder):
     finally:
         prod.shutdown()
         cons.shutdown()
+
+
+def test_bad_messages_and_addresses_never_stop_the_threads(pair, single):
+    """Anyone can reach a producer's port and name any address to a consumer: a malformed message
+    gets an error answer, an address zmq refuses fails that load only, and both sides keep working."""
+    import zmq
+
+    prod, cons = pair
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{prod.kv_connector.port}")
+    for junk in (b"not json", b"[1, 2]", b'{"op": "read", "request_id": ["x"]}',
+                 b'{"op": "read", "request_id": "r", "first_block": 0, "num_blocks": -1}'):
+        sock.send(junk)
+        if junk.startswith(b"{"):
+            assert sock.poll(2000), junk
+            assert b'"ok": false' in sock.recv()
+    sock.close()
+    prompt = random_prompts([20], seed=17)[0]
+    kv = prefill(prod, prompt)
+    with pytest.raises(ValueError, match="remote_host"):
+        cons.add_request(prompt, with_transfer(GREEDY, {**kv, "remote_host": "a b"}))
+    with pytest.raises(ValueError, match="remote_port"):
+        cons.add_request(prompt, with_transfer(GREEDY, {**kv, "remote_port": 70000}))
+    out = decode(cons, prompt, kv)                   # both threads still serve
+    assert out.outputs[0].token_ids == local(single, prompt, GREEDY).outputs[0].token_ids
+    drain_leases(prod)
+
+
+def test_vllm_only_keys_are_accepted(folder):
+    from twostep.config import KVTransferConfig
+
+    c = KVTransferConfig.parse({"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_rank": 1,
+                                "kv_parallel_size": 2, "kv_buffer_device": "cpu"})
+    assert c.kv_role == "kv_consumer"
+    with pytest.raises(ValueError, match="unknown kv transfer config keys"):
+        KVTransferConfig.parse({"kv_role": "kv_consumer", "kv_bogus": 1})

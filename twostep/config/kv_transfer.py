@@ -6,19 +6,25 @@
 A producer (the prefill instance) keeps a finished prefill's KV blocks under a lease and serves
 them on kv_ip:kv_port; a consumer (the decode instance) pulls them into its own blocks.
 kv_both does either, per request. kv_connector_extra_config: lease_s (how long a producer keeps
-unclaimed blocks, vLLM's 30 s; a consumer whose request waits to be admitted extends it every
-third of it) and timeout_s
+unclaimed blocks, 30 s by default; a consumer whose request waits to be admitted extends it
+every third of it) and timeout_s
 (how long a consumer waits for a producer's answer before the load counts as failed).
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger(__name__)
 
 CONNECTORS = ("ZmqConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
 EXTRA_KEYS = {"lease_s": 30.0, "timeout_s": 10.0}
+# vLLM's keys that mean nothing for this connector (ranks of its older P2P connectors, buffer
+# placement): accepted, so vLLM command lines run, and logged
+IGNORED_KEYS = ("kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_buffer_size", "kv_connector_module_path")
 
 
 @dataclass(slots=True)
@@ -74,7 +80,10 @@ class KVTransferConfig:
         if not isinstance(value, dict):
             raise ValueError("kv transfer config must be a JSON object")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        ignored = sorted(set(value) & set(IGNORED_KEYS))
+        if ignored:
+            logger.info("kv transfer config: %s not used by twostep's connectors (ignored)", ", ".join(ignored))
+        unknown = sorted(set(value) - known - set(IGNORED_KEYS))
         if unknown:
             raise ValueError(f"unknown kv transfer config keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return cls(**{k: v for k, v in value.items() if k in known})

@@ -8,6 +8,7 @@ of a request verifying drafts, plus prompt positions of requests that asked for 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -33,6 +34,12 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     blocks: list[int]            # blocks written this step (zeroed on first use)
+
+    def to(self, device: torch.device) -> "StepInputs":
+        """On another device (a step crosses processes in host memory)."""
+        meta = dataclasses.replace(self.meta, slot_mapping=self.meta.slot_mapping.to(device),
+                                   block_tables=self.meta.block_tables.to(device))
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.blocks)
 
 
 class StepBroadcast(Protocol):
@@ -102,6 +109,8 @@ class ModelRunner:
 
     def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's part of a step: a tensor-parallel worker runs what rank 0 sent it."""
+        if inputs.input_ids.device != self.device:
+            inputs = inputs.to(self.device)
         self.ensure_zeroed(inputs.blocks)
         meta = self.backend.build_metadata(inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)

@@ -138,7 +138,9 @@ class Scheduler:
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, n):
             victim = self._victim()
             if victim is request:
-                if len(self.running) == 1:
+                # alone and still too big: it can never fit, unless blocks held for a while (loads
+                # in flight, leases for remote decodes) are what is missing; then it waits
+                if len(self.running) == 1 and not self.loading and not self.sending:
                     out.finished.append(request)
                 self._preempt(request, out)
                 return False

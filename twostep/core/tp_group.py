@@ -81,9 +81,10 @@ def launched_rank(world_size: int) -> int | None:
     return int(os.environ["RANK"])
 
 
-def cores_for(rank: int, world_size: int) -> list[int] | None:
-    """This rank's share of the cores this process may use, or None when there are too few."""
-    cores = sorted(os.sched_getaffinity(0))
+def cores_for(rank: int, world_size: int, cores: list[int] | None = None) -> list[int] | None:
+    """This rank's share of these cores (default: those this process may use), or None when there
+    are too few to give each rank one."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     per = len(cores) // world_size
     return cores[rank * per:(rank + 1) * per] if per else None
 
@@ -91,7 +92,7 @@ def cores_for(rank: int, world_size: int) -> list[int] | None:
 class TPGroup:
     """Rank 0's side: the workers, and the broadcast of each step to them."""
 
-    def __init__(self, spec: WorkerSpec, world_size: int) -> None:
+    def __init__(self, spec: WorkerSpec, world_size: int, cores: list[int]) -> None:
         self.world_size, self.timeout_s = world_size, spec.timeout_s
         self.procs: list[multiprocessing.Process] = []
         if launched_rank(world_size) is not None:
@@ -101,7 +102,7 @@ class TPGroup:
         pipes = []
         for rank in range(1, world_size):
             parent, child = ctx.Pipe(duplex=False)
-            worker = _with_rank(spec, rank, world_size)
+            worker = _with_rank(spec, rank, world_size, cores)
             proc = ctx.Process(target=worker_main, args=(rank, world_size, worker, child),
                                name=f"twostep-tp-rank{rank}", daemon=True)
             proc.start()
@@ -149,10 +150,12 @@ class TPGroup:
         or times out names the worker that is gone, or says that none answered in time."""
         self.check()
         try:
-            dist.broadcast_object_list([(inputs, rows)], src=0)
+            dist.broadcast_object_list([(inputs.to(torch.device("cpu")), rows)], src=0)
             yield
         except RuntimeError as e:
             self.check()
+            if not (isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "timed out" in str(e).lower()):
+                raise                 # rank 0's own failure, not the group's
             raise WorkerError(f"tensor-parallel step failed: no answer from the other ranks within "
                               f"{self.timeout_s:.0f} s (a worker hung?): {e}") from e
 
@@ -181,11 +184,13 @@ class TPGroup:
         self.procs = []
 
 
-def _with_rank(spec: WorkerSpec, rank: int, world_size: int) -> WorkerSpec:
+def _with_rank(spec: WorkerSpec, rank: int, world_size: int, cores: list[int]) -> WorkerSpec:
+    """The rank's share of the machine's cores (all of them, unpinned, when there are too few):
+    never the affinity it would inherit from rank 0, which has pinned itself already."""
     import dataclasses
 
-    cpus = cores_for(rank, world_size)
-    return dataclasses.replace(spec, cpus=cpus, num_threads=spec.num_threads or (len(cpus) if cpus else None))
+    cpus = cores_for(rank, world_size, cores) or cores
+    return dataclasses.replace(spec, cpus=cpus, num_threads=spec.num_threads or len(cpus))
 
 
 def worker_main(rank: int, world_size: int, spec: WorkerSpec, ready) -> None:
@@ -249,7 +254,11 @@ def _serve_steps(runner) -> None:
 def _build(rank: int, world_size: int, spec: WorkerSpec):
     from twostep.platforms import get_platform
 
-    platform = get_platform(torch.device(spec.device), spec.cpu_prepack_weights, spec.cpu_gemv)
+    device = torch.device(spec.device)
+    if device.type == "cuda":      # one GPU per rank on its machine (untested here: no GPUs)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    platform = get_platform(device, spec.cpu_prepack_weights, spec.cpu_gemv)
     import dataclasses
 
     model = dataclasses.replace(spec.model, platform=platform, tp=TensorParallel(rank, world_size))

@@ -42,8 +42,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         tp = TensorParallel(0, config.tensor_parallel_size)
+        cores = sorted(os.sched_getaffinity(0))        # before rank 0 takes its share
         if tp.enabled:
-            self._pin_rank0(tp)
+            if launched_rank(tp.world_size) not in (None, 0):
+                raise ValueError("started as a rank > 0 (RANK is set): only rank 0 runs the engine; "
+                                 "start every rank with `twostep serve` (the others become its workers)")
+            self._pin_rank0(tp, cores)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.platform = get_platform(resolve_device(config.device), config.cpu_prepack_weights,
@@ -59,7 +63,7 @@ class LLMEngine:
         t = target
         self.tp_group: TPGroup | None = None
         if tp.enabled:     # the workers build their shards with rank 0's cache size
-            self.tp_group = t.runner.peers = self._start_workers(model_spec, cache_spec, t)
+            self.tp_group = t.runner.peers = self._start_workers(model_spec, cache_spec, t, cores)
         self.model_path, self.model_config, self.max_model_len = t.path, t.config, t.max_model_len
         self.model, self.runner, self.kv_plan = t.model, t.runner, t.kv_plan
         self.tokenizer = _make_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
@@ -88,18 +92,18 @@ class LLMEngine:
                     t.config.architecture, t.config.num_layers, str(self.dtype).removeprefix("torch."),
                     self.device, self.max_model_len)
 
-    def _pin_rank0(self, tp: TensorParallel) -> None:
+    def _pin_rank0(self, tp: TensorParallel, cores: list[int]) -> None:
         """Rank 0's share of this machine's cores (all ranks here, or torchrun's ranks on it)."""
         local = (0, tp.world_size)
         if launched_rank(tp.world_size) is not None:
             local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        cpus = cores_for(*local)
+        cpus = cores_for(*local, cores)
         if cpus:
             os.sched_setaffinity(0, cpus)
             if not self.config.num_threads:
                 torch.set_num_threads(len(cpus))
 
-    def _start_workers(self, model_spec: ModelSpec, cache_spec: CacheSpec, t) -> TPGroup:
+    def _start_workers(self, model_spec: ModelSpec, cache_spec: CacheSpec, t, cores: list[int]) -> TPGroup:
         c = self.config
         spec = WorkerSpec(dataclasses.replace(model_spec, platform=None, max_model_len=t.max_model_len),
                           dataclasses.replace(cache_spec, num_blocks=t.kv_plan.num_blocks),
@@ -107,7 +111,7 @@ class LLMEngine:
                           "nccl" if self.device.type == "cuda" else "gloo",
                           c.distributed_init_method or default_init_method(), c.distributed_timeout_s,
                           num_threads=c.num_threads)
-        return TPGroup(spec, c.tensor_parallel_size)
+        return TPGroup(spec, c.tensor_parallel_size, cores)
 
     @classmethod
     def from_args(cls, **kwargs) -> "LLMEngine":
@@ -194,6 +198,8 @@ class LLMEngine:
         for rid in processed.request_ids:
             if self.output_processor.is_known(rid):
                 raise ValueError(f"request_id {rid!r} is already in use")
+            if rid in self.scheduler.sending:
+                raise ValueError(f"request_id {rid!r} is still in use: its KV blocks wait for a remote decode")
         self._attach_kv_transfer(processed.requests, params)
         self.output_processor.add(processed)
         for request in processed.requests:
@@ -242,9 +248,8 @@ class LLMEngine:
             self.tp_group.shutdown()
             self.tp_group = self.runner.peers = None
         if self.kv_connector is not None:
-            self.kv_connector.close()
+            self.kv_connector.close()        # the scheduler keeps it: calls on it are harmless now
             self.kv_connector = None
-            self.scheduler.connector = None
 
     def abort_request(self, request_ids: str | Iterable[str], emit_output: bool = True,
                       finish_reason: str = "abort", stop_reason: str | None = None) -> None:

@@ -28,6 +28,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._queues: dict[str, deque[RequestOutput]] = {}
 
+    def shutdown(self) -> None:
+        """Stop what runs beside this process: tensor-parallel workers, KV transfer threads."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def llm_engine(self) -> LLMEngine:
         """vLLM's name for the engine underneath."""

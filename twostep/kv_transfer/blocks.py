@@ -41,7 +41,7 @@ class CacheLayout:
 
 def gather_blocks(caches: list[KVLayerCache], block_ids: list[int]) -> list[torch.Tensor]:
     """The blocks' bytes in every layer (values, then scales), contiguous, for sending."""
-    index = torch.tensor(block_ids, dtype=torch.int64)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].values.device)
     parts = [_bytes(c.raw_values.index_select(1, index)) for c in caches]
     if caches[0].scales is not None:
         parts += [_bytes(c.scales.index_select(1, index)) for c in caches]
@@ -50,7 +50,7 @@ def gather_blocks(caches: list[KVLayerCache], block_ids: list[int]) -> list[torc
 
 def scatter_blocks(caches: list[KVLayerCache], block_ids: list[int], parts: list[torch.Tensor]) -> None:
     """Write received bytes into these blocks (the inverse of gather_blocks on the same layout)."""
-    index = torch.tensor(block_ids, dtype=torch.int64)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].values.device)
     expected = len(caches) * (2 if caches[0].scales is not None else 1)
     if len(parts) != expected:
         raise ValueError(f"KV payload has {len(parts)} parts, this cache needs {expected}")
@@ -65,7 +65,8 @@ def payload_bytes(parts: list[torch.Tensor]) -> int:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
+    """As plain bytes in host memory (what the transport sends)."""
+    return t.contiguous().view(torch.uint8).reshape(-1).cpu()
 
 
 def _write(dest: torch.Tensor, index: torch.Tensor, raw: torch.Tensor) -> None:
@@ -73,4 +74,4 @@ def _write(dest: torch.Tensor, index: torch.Tensor, raw: torch.Tensor) -> None:
     need = dest.element_size() * torch.Size(shape).numel()
     if raw.numel() != need:
         raise ValueError(f"KV payload part has {raw.numel()} bytes, {need} expected for {len(index)} blocks")
-    dest.index_copy_(1, index, raw.view(dest.dtype).view(shape))
+    dest.index_copy_(1, index, raw.to(dest.device).view(dest.dtype).view(shape))

@@ -9,6 +9,7 @@ blocks belong to the very prompt it tokenized.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 _REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
@@ -44,6 +45,10 @@ class RemotePrefill:
         for key, kind in _REMOTE_KEYS.items():
             if not isinstance(params[key], kind) or isinstance(params[key], bool):
                 raise ValueError(f"kv_transfer_params {key} must be a {kind.__name__}, got {params[key]!r}")
+        if not 0 < params["remote_port"] < 65536:
+            raise ValueError(f"kv_transfer_params remote_port must be a port number, got {params['remote_port']}")
+        if not re.fullmatch(r"[A-Za-z0-9.\-:\[\]]+", params["remote_host"]):
+            raise ValueError(f"kv_transfer_params remote_host {params['remote_host']!r} is not a host name or address")
         blocks = params["remote_block_ids"]
         if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
             raise ValueError("kv_transfer_params remote_block_ids must be positive block ids")

@@ -81,6 +81,7 @@ class ZmqConnector(KVConnector):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self.port = config.kv_port
+        self.engine_id = config.engine_id or f"{config.kv_ip}:{config.kv_port}"
         if self.is_producer:
             server = self._ctx.socket(zmq.ROUTER)
             server.setsockopt(zmq.LINGER, 0)
@@ -89,10 +90,10 @@ class ZmqConnector(KVConnector):
                 server.bind(f"{address}:{config.kv_port}")
             else:
                 self.port = server.bind_to_random_port(address)
+            self.engine_id = config.engine_id or f"{config.kv_ip}:{self.port}"
             self._start(self._serve, server, "twostep-kv-server")
             logger.info("KV transfer: serving finished prefills' blocks on tcp://%s:%d (lease %.0f s)",
                         config.kv_ip, self.port, self.lease_s)
-        self.engine_id = config.engine_id or f"{config.kv_ip}:{self.port}"
         if self.is_consumer:
             self._start(self._load_loop, None, "twostep-kv-loader")
             logger.info("KV transfer: loading remote prefills (timeout %.0f s, on failure: %s)",
@@ -120,6 +121,7 @@ class ZmqConnector(KVConnector):
             self._jobs.put(("release", load.remote))
 
     def request_finished(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int]) -> dict:
+        block_ids = block_ids[:-(-len(prompt_token_ids) // self.layout.block_size)]   # the prompt's only
         with self._lock:
             self._leases[request_id] = _Lease(list(block_ids), time.monotonic() + self.lease_s)
         return producer_params(self.engine_id, self.config.kv_ip, self.port, request_id, block_ids,
@@ -129,7 +131,10 @@ class ZmqConnector(KVConnector):
         self._expected[request_id] = (remote, time.monotonic())
 
     def forget(self, request_id: str) -> None:
-        self._expected.pop(request_id, None)
+        """The request ended before its load started: the producer may free its blocks now."""
+        expected = self._expected.pop(request_id, None)
+        if expected is not None:
+            self._jobs.put(("release", expected[0]))
 
     def get_finished(self) -> TransferEvents:
         now = time.monotonic()
@@ -199,15 +204,25 @@ class ZmqConnector(KVConnector):
             while not self._stopping.is_set():
                 if server.poll(_POLL_MS):
                     frames = server.recv_multipart()
-                    reply = self._answer(_decode(frames[1])) if len(frames) > 1 else None
+                    reply = self._answer_safely(frames[1]) if len(frames) > 1 else None
                     if reply is not None:
                         server.send_multipart([frames[0], *reply], copy=False)
                 self._expire_leases()
         finally:
             server.close(linger=0)
 
+    def _answer_safely(self, raw: bytes) -> list | None:
+        """A message from anyone: whatever it holds, the answer is an error, never a dead thread."""
+        try:
+            return self._answer(_decode(raw))
+        except Exception as e:  # noqa: BLE001 - the server thread must outlive any message
+            logger.warning("KV transfer: bad message refused: %s: %s", type(e).__name__, e)
+            return [_encode({"ok": False, "error": f"bad message: {type(e).__name__}: {e}"})]
+
     def _answer(self, msg: dict) -> list | None:
         op, rid = msg.get("op"), msg.get("request_id")
+        if op != "handshake" and not isinstance(rid, str):
+            return [_encode({"ok": False, "error": "request_id must be a string"})]
         if op == "handshake":
             return [_encode({"ok": True, "layout": self.layout.as_dict(), "engine_id": self.engine_id})]
         with self._lock:
@@ -226,7 +241,7 @@ class ZmqConnector(KVConnector):
             return [_encode({"ok": False, "error": f"no KV blocks held for request {rid!r} on {self.engine_id} "
                                                    "(never prefilled here, already read, or its lease expired)"})]
         first, count = msg.get("first_block", 0), msg.get("num_blocks", 0)
-        if not (isinstance(first, int) and isinstance(count, int) and 0 <= first
+        if not (isinstance(first, int) and isinstance(count, int) and 0 <= first and count >= 0
                 and first + count <= len(lease.block_ids)):
             return [_encode({"ok": False, "error": f"blocks {first}..{first}+{count} are outside request "
                                                    f"{rid!r}'s {len(lease.block_ids)} blocks"})]
@@ -256,11 +271,17 @@ class ZmqConnector(KVConnector):
                 job = self._jobs.get()
                 if job is None:
                     return
-                if job[0] == "load":
-                    self._load(peers, job[1])
-                else:                                # extend or release the producer's lease
-                    op, remote = job
-                    peers.send(remote.address, {"op": op, "request_id": remote.request_id})
+                try:
+                    if job[0] == "load":
+                        self._load(peers, job[1])
+                    else:                                # extend or release the producer's lease
+                        op, remote = job
+                        peers.send(remote.address, {"op": op, "request_id": remote.request_id})
+                except Exception as e:  # noqa: BLE001 - the loader must outlive any one job
+                    logger.warning("KV transfer: %s job failed: %s: %s", job[0], type(e).__name__, e)
+                    if job[0] == "load":
+                        self._arrive(_Arrived(job[1], None, f"KV transfer from {job[1].remote.address} "
+                                                            f"failed: {type(e).__name__}: {e}"))
         finally:
             peers.close()
 
@@ -277,6 +298,9 @@ class ZmqConnector(KVConnector):
         except _TransferError as e:
             arrived = _Arrived(load, None, str(e))
         peers.send(remote.address, {"op": "release", "request_id": remote.request_id})
+        self._arrive(arrived)
+
+    def _arrive(self, arrived: _Arrived) -> None:
         with self._lock:
             self._arrived.append(arrived)
         self._progress.set()
@@ -310,8 +334,12 @@ class _Peers:
                     torch.empty(0, dtype=torch.uint8) for f in frames[1:]]
 
     def send(self, address: str, msg: dict) -> None:
-        """A message without an answer (extend, release); zmq queues it until connected."""
-        self._socket(address).send(_encode(msg))
+        """A message without an answer (extend, release); zmq queues it until connected, and one
+        that cannot be queued (a producer long gone) is dropped rather than waited for."""
+        try:
+            self._socket(address).send(_encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("KV transfer: %s to %s dropped (no connection)", msg.get("op"), address)
 
     def close(self) -> None:
         for sock in self._sockets.values():
