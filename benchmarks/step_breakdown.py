@@ -76,7 +76,7 @@ def clocked_linears(clock: StepClock):
 def instrument(llm: LLM, clock: StepClock) -> None:
     engine, runner = llm.engine, llm.engine.runner
     clock.wrap(runner.backend, "forward", "attention")
-    clock.wrap(runner, "_forward", "forward")
+    clock.wrap(runner.model, "forward", "forward")          # the model's forward alone (no logits)
     clock.wrap(runner, "_prepare", "inputs")
     clock.wrap(runner.backend, "build_metadata", "inputs")
     clock.wrap(runner.model, "compute_logits", "lm_head")
@@ -101,8 +101,8 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
     parts = {
         "weights": med(lambda s: s.get("weights", 0) - s.get("lm_head", 0)),
         "attention": med(lambda s: s.get("attention", 0)),
-        "other ops": med(lambda s: s["forward"] - s.get("inputs", 0) - s.get("weights", 0)
-                         + s.get("lm_head", 0) - s.get("attention", 0)),
+        "other ops": med(lambda s: s["forward"] - s.get("weights", 0) + s.get("lm_head", 0)
+                         - s.get("attention", 0)),
         "logits": med(lambda s: s.get("lm_head", 0) + s.get("sampling", 0)),
         "engine": med(lambda s: s["step"] - s["execute"] + s.get("inputs", 0)),
     }
