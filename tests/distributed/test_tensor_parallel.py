@@ -32,6 +32,16 @@ def run(engine, prompts, params=GREEDY):
     return [done[i] for i in ids]
 
 
+def assert_same(got, want, tolerance: float) -> None:
+    """Greedy tokens identical, every prompt position's logprobs within tolerance."""
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for token, lp in pb.items():
+                assert abs(pa[token].logprob - lp.logprob) < tolerance
+
+
 def small_cache(**kw):
     # 12 blocks of 16 for 5 prompts of up to 60 + 20 tokens: preemption happens; chunks of 32 tokens
     return dict(num_kv_blocks=12, max_num_batched_tokens=32, **kw)
@@ -51,12 +61,7 @@ def test_two_ranks_match_one(tiny_model_dir, arch):
         assert two.get_stats()["prefix_cache_hits"] > 0
     finally:
         two.shutdown()
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
-        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            for token, lp in pb.items():
-                assert abs(pa[token].logprob - lp.logprob) < 1e-4
+    assert_same(got, want, 1e-4)
 
 
 def test_each_rank_holds_its_share(tiny_model_dir):
@@ -201,12 +206,7 @@ def test_quantized_weights_are_sharded_too(tiny_model_dir, method):
         got = run(two, prompts, params)
     finally:
         two.shutdown()
-    for a, b in zip(got, want):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
-        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            for token, lp in pb.items():
-                assert abs(pa[token].logprob - lp.logprob) < 1e-3
+    assert_same(got, want, 1e-3)
 
 
 def test_packed_columns_are_the_dequantized_columns():
