@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TWOSTEP_FORCE_SCALAR)
 #define TWOSTEP_AVX2 1
@@ -314,11 +315,14 @@ void row_dot_512(const Planes& p, int64_t n, const QuantizedActivations& a, floa
   const __m512i zero = _mm512_set1_epi16(static_cast<int16_t>(BITS == 8 ? 0 : p.zero));
   const __m512i index = slot_scale_index(G16);
   const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const bool fold_mins = !G16 && p.mins && p.group == kBlock;   // a min per block: summed in the chunks
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t first = 0; first < pairs; first += kPairs) {
-    const int64_t count = std::min<int64_t>(kPairs, pairs - first);
-    const bool lone = 2 * (first + count) > nb;       // the chunk ends in an unpaired block
+  // full chunks take a branch-free copy of the body (count and lone are constants there)
+  auto chunk = [&](int64_t first, auto full) {
+    constexpr bool kFull = decltype(full)::value;
+    const int64_t count = kFull ? kPairs : std::min<int64_t>(kPairs, pairs - first);
+    const bool lone = !kFull && 2 * (first + count) > nb;   // the chunk ends in an unpaired block
     // the chunk's codes once (16 registers), then each activation row against them
     __m512i lo[kPairs], hi[kPairs];
 #pragma GCC unroll 8
@@ -354,11 +358,35 @@ void row_dot_512(const Planes& p, int64_t n, const QuantizedActivations& a, floa
           v[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo[i], xlo), hi[i], xhi);
         }
       }
-      sums[m] = sum_slots(v);
+      if (count * 2 >= kPairs) {
+        sums[m] = sum_slots(v);
+        continue;
+      }
+      // a short last chunk: each vector scaled on its own, cheaper than summing 16 slots for a few
+      const int64_t b0 = 2 * first, nbx = nb;
+      const float* xs = xd + m * nb;
+      auto slot_scale = [&](int j, int h) -> float {
+        const int64_t g = G16 ? 4 * (j / 2) + j % 2 + 2 * h : 2 * j + h;   // group (G16) or block, from b0
+        const int64_t b = b0 + (G16 ? g / 2 : g);
+        if (b >= nbx) return 0.f;
+        const int64_t group = G16 ? 2 * b0 + g : b * kBlock / p.group;
+        return fp16(scales, group) * xs[b];
+      };
+      for (int j = 0; j < (G16 ? 2 * count : count); ++j) {
+        const __m512 sj = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(slot_scale(j, 0)), _mm512_set1_ps(slot_scale(j, 1)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[j]), sj, acc[m]);
+      }
+      sums[m] = _mm512_setzero_si512();
     }
     // the 16 slots' weight and activation scales in weight order (zero past the row's end)
     const int64_t b0 = 2 * first, blocks = std::min<int64_t>(G16 ? 8 : 16, nb - b0);
     const __mmask16 mask = static_cast<__mmask16>((1u << blocks) - 1);
+    if (fold_mins) {                                     // min * (sum of the block's activations)
+      const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.mins + n * groups + b0));
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, a.group_sums.data() + m * groups + b0), acc[m]);
+    }
+    if (count * 2 < kPairs) return;
     __m512 w;
     if constexpr (G16) {
       w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (2 * blocks)) - 1), scales + 2 * b0));
@@ -375,10 +403,13 @@ void row_dot_512(const Planes& p, int64_t n, const QuantizedActivations& a, floa
       const __m512 s = _mm512_permutexvar_ps(index, _mm512_mul_ps(w, x));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), s, acc[m]);
     }
-  }
+  };
+  int64_t first = 0;
+  for (; first + kPairs <= pairs && 2 * (first + kPairs) <= nb; first += kPairs) chunk(first, std::true_type{});
+  if (first < pairs) chunk(first, std::false_type{});
   for (int m = 0; m < M; ++m) {
     result[m] = _mm512_reduce_add_ps(acc[m]);
-    if (p.mins) result[m] += min_term(p.mins + n * groups, a.group_sums.data() + m * groups, groups);
+    if (p.mins && !fold_mins) result[m] += min_term(p.mins + n * groups, a.group_sums.data() + m * groups, groups);
   }
 }
 
