@@ -18,15 +18,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TWOSTEP_FORCE_SCALAR)
 #define TWOSTEP_AVX2 1
 #include <immintrin.h>
-// 512-bit registers: two blocks per multiply-add (AVX512-VNNI's dpwssd on zmm), Zen 4/5, Xeons
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define TWOSTEP_AVX512 1
-#endif
 #endif
 
 namespace {
@@ -49,18 +44,6 @@ struct Planes {
 
 constexpr int qs_bytes(int bits) { return bits == 8 ? 32 : 16; }
 constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
-
-// Where half h (weights 16h .. 16h + 15) of block b of a row's activation codes is stored. The
-// 512-bit path multiplies two blocks at once, a register holding the first halves of blocks 2j and
-// 2j + 1 and another their second halves, so there each pair of blocks is stored as
-// [2j: 0-15, 2j+1: 0-15, 2j: 16-31, 2j+1: 16-31]; a last unpaired block stays in order.
-inline int64_t half_offset(int64_t b, int h, int64_t nb) {
-#ifdef TWOSTEP_AVX512
-  if ((b | 1) < nb) return (b / 2) * 64 + h * 32 + (b % 2) * 16;
-#endif
-  (void)nb;
-  return b * 32 + h * 16;
-}
 
 // Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
 // for each half block of 16 (a group of 16 needs its own half).
@@ -92,7 +75,7 @@ inline __m256 load8(const at::Half* x) {
 }
 
 template <typename scalar_t>
-inline void quantize_block(const scalar_t* xb, int16_t* const q[2], float& d, int sums[2]) {
+inline void quantize_block(const scalar_t* xb, int16_t* q, float& d, int sums[2]) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
@@ -110,7 +93,7 @@ inline void quantize_block(const scalar_t* xb, int16_t* const q[2], float& d, in
     const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], id));
     const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], id));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);   // back in order
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q[h]), packed);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h), packed);
     const __m256i s = _mm256_madd_epi16(packed, ones);
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -128,12 +111,11 @@ QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const scalar_t* xb = x + m * stride + b * kBlock;
-      int16_t* const q[2] = {a.q.data() + m * k + half_offset(b, 0, nb), a.q.data() + m * k + half_offset(b, 1, nb)};
 #ifdef TWOSTEP_AVX2
       if constexpr (!std::is_same_v<scalar_t, double>) {
         int sums[2];
         float d;
-        quantize_block(xb, q, d, sums);
+        quantize_block(xb, a.q.data() + m * k + b * kBlock, d, sums);
         a.scale[m * nb + b] = d;
         a.half_sums[(m * nb + b) * 2] = d * sums[0];
         a.half_sums[(m * nb + b) * 2 + 1] = d * sums[1];
@@ -148,10 +130,11 @@ QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64
       }
       const float d = amax / 32767.f;
       const float id = d > 0.f ? 1.f / d : 0.f;
+      int16_t* q = a.q.data() + m * k + b * kBlock;
       int sums[2] = {0, 0};
       for (int i = 0; i < kBlock; ++i) {
-        q[i / 16][i % 16] = static_cast<int16_t>(std::nearbyint(v[i] * id));
-        sums[i / 16] += q[i / 16][i % 16];
+        q[i] = static_cast<int16_t>(std::nearbyint(v[i] * id));
+        sums[i / 16] += q[i];
       }
       a.scale[m * nb + b] = d;
       a.half_sums[(m * nb + b) * 2] = d * sums[0];
@@ -246,180 +229,6 @@ inline float min_term(const at::Half* mins, const float* sums, int64_t groups) {
   for (; g < groups; ++g) total += fp16(mins, g) * sums[g];
   return total;
 }
-
-#ifdef TWOSTEP_AVX512
-
-// The codes of blocks b and b + 1 (qs, qh at block b) as 32 int16 each: lo holds both blocks' weights
-// 0-15, hi their weights 16-31, matching the paired activation layout (half_offset). A lone last
-// block leaves the second halves zero and reads nothing past itself.
-template <int BITS>
-inline void pair_codes(const uint8_t* qs, const uint8_t* qh, bool lone, __m512i& lo, __m512i& hi) {
-  if constexpr (BITS == 4) {
-    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m256i both = lone ? _mm256_zextsi128_si256(first) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    const __m512i v = _mm512_cvtepu8_epi16(both);
-    lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0F));
-    hi = _mm512_srli_epi16(v, 4);
-  } else if constexpr (BITS == 8) {
-    auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
-    const __m128i none = _mm_setzero_si128();
-    lo = _mm512_cvtepi8_epi16(_mm256_set_m128i(lone ? none : load(qs + 32), load(qs)));
-    hi = _mm512_cvtepi8_epi16(_mm256_set_m128i(lone ? none : load(qs + 48), load(qs + 16)));
-  } else {
-    const __m256i u0 = decode_block<BITS>(qs, qh);
-    const __m256i u1 = lone ? _mm256_setzero_si256() : decode_block<BITS>(qs + 16, qh + qh_bytes(BITS));
-    lo = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(u0, u1, 0x20));
-    hi = _mm512_cvtepu8_epi16(_mm256_permute2x128_si256(u0, u1, 0x31));
-  }
-}
-
-// Eight vectors of int32 lanes, vector i holding two "slots" (lanes 0-7: slot (i, 0), lanes 8-15:
-// slot (i, 1)), summed per slot into one vector. The sums come out in the order kSlotOrder names:
-// lane 4c + l holds slot (l, c) for c = 0, 1 and slot (4 + l, c - 2) for c = 2, 3.
-inline __m512i sum_slots(const __m512i v[8]) {
-  __m512i w[4], x[2];
-  for (int j = 0; j < 4; ++j)    // 4 lanes per slot
-    w[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_epi64(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 2; ++j) {  // 2 lanes
-    const __m512 a = _mm512_castsi512_ps(w[2 * j]), b = _mm512_castsi512_ps(w[2 * j + 1]);
-    x[j] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
-                            _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
-  }
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),   // 1 lane
-                          _mm512_shuffle_i32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Which scale each lane of sum_slots' result needs, as an index into 16 scales in weight order.
-// Groups of 32 or more: slot (i, h) is block 2i + h of 16. Groups of 16: vector 2j holds pair j's
-// first halves and 2j + 1 its second halves, so slot (i, h) is group 4 (i / 2) + i % 2 + 2h of 16.
-inline __m512i slot_scale_index(bool groups_of_16) {
-  return groups_of_16 ? _mm512_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15)
-                      : _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-}
-
-// One weight row against M activation rows, two blocks per multiply-add. Each block's (or group of
-// 16's) integer dot product lands in its own lanes; sum_slots adds them up for 16 blocks (8 for
-// groups of 16) at once, so the conversion to float and the scaling are one instruction each per
-// 16 scales. The loops over a chunk's pairs are unrolled (constant indices keep v in registers; a
-// short last chunk fills with zeros). The zero point is subtracted from the codes; a min per group
-// adds min * (sum of the group's activations) after the loop.
-template <int BITS, int M, bool G16>
-void row_dot_512(const Planes& p, int64_t n, const QuantizedActivations& a, float* result) {
-  constexpr int kPairs = G16 ? 4 : 8;                  // pairs of blocks per sum_slots
-  const int64_t nb = p.k / kBlock, groups = p.groups_row(), pairs = (nb + 1) / 2;
-  const uint8_t* qs = p.qs + n * p.qs_row();
-  const uint8_t* qh = p.qh ? p.qh + n * p.qh_row() : nullptr;
-  const at::Half* scales = p.scales + n * groups;
-  const int16_t* xq = a.q.data();
-  const float* xd = a.scale.data();
-  const __m512i zero = _mm512_set1_epi16(static_cast<int16_t>(BITS == 8 ? 0 : p.zero));
-  const __m512i index = slot_scale_index(G16);
-  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const bool fold_mins = !G16 && p.mins && p.group == kBlock;   // a min per block: summed in the chunks
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  // full chunks take a branch-free copy of the body (count and lone are constants there)
-  auto chunk = [&](int64_t first, auto full) {
-    constexpr bool kFull = decltype(full)::value;
-    const int64_t count = kFull ? kPairs : std::min<int64_t>(kPairs, pairs - first);
-    const bool lone = !kFull && 2 * (first + count) > nb;   // the chunk ends in an unpaired block
-    // the chunk's codes once (16 registers), then each activation row against them
-    __m512i lo[kPairs], hi[kPairs];
-#pragma GCC unroll 8
-    for (int i = 0; i < kPairs; ++i) {
-      if (i >= count) continue;
-      const int64_t b = 2 * (first + i);
-      pair_codes<BITS>(qs + b * qs_bytes(BITS), qh ? qh + b * qh_bytes(BITS) : nullptr, lone && i == count - 1,
-                       lo[i], hi[i]);
-      if constexpr (BITS != 8) {
-        lo[i] = _mm512_sub_epi16(lo[i], zero);
-        hi[i] = _mm512_sub_epi16(hi[i], zero);
-      }
-    }
-    __m512i sums[M];
-    for (int m = 0; m < M; ++m) {
-      __m512i v[8];
-#pragma GCC unroll 8
-      for (int i = 0; i < kPairs; ++i) {
-        if (i >= count) {
-          v[G16 ? 2 * i : i] = _mm512_setzero_si512();
-          if (G16) v[2 * i + 1] = _mm512_setzero_si512();
-          continue;
-        }
-        const int16_t* x = xq + m * p.k + 2 * (first + i) * kBlock;
-        // a lone block's activations are in order: its halves, with zeros where a partner's would be
-        const bool alone = lone && i == count - 1;
-        const __m512i xlo = alone ? _mm512_maskz_loadu_epi16(0xFFFF, x) : _mm512_loadu_si512(x);
-        const __m512i xhi = alone ? _mm512_maskz_loadu_epi16(0xFFFF, x + 16) : _mm512_loadu_si512(x + 32);
-        if constexpr (G16) {
-          v[2 * i] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo[i], xlo);
-          v[2 * i + 1] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi[i], xhi);
-        } else {
-          v[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo[i], xlo), hi[i], xhi);
-        }
-      }
-      if (count * 2 >= kPairs) {
-        sums[m] = sum_slots(v);
-        continue;
-      }
-      // a short last chunk: each vector scaled on its own, cheaper than summing 16 slots for a few
-      const int64_t b0 = 2 * first, nbx = nb;
-      const float* xs = xd + m * nb;
-      auto slot_scale = [&](int j, int h) -> float {
-        const int64_t g = G16 ? 4 * (j / 2) + j % 2 + 2 * h : 2 * j + h;   // group (G16) or block, from b0
-        const int64_t b = b0 + (G16 ? g / 2 : g);
-        if (b >= nbx) return 0.f;
-        const int64_t group = G16 ? 2 * b0 + g : b * kBlock / p.group;
-        return fp16(scales, group) * xs[b];
-      };
-      for (int j = 0; j < (G16 ? 2 * count : count); ++j) {
-        const __m512 sj = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(slot_scale(j, 0)), _mm512_set1_ps(slot_scale(j, 1)));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[j]), sj, acc[m]);
-      }
-      sums[m] = _mm512_setzero_si512();
-    }
-    // the 16 slots' weight and activation scales in weight order (zero past the row's end)
-    const int64_t b0 = 2 * first, blocks = std::min<int64_t>(G16 ? 8 : 16, nb - b0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << blocks) - 1);
-    if (fold_mins) {                                     // min * (sum of the block's activations)
-      const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.mins + n * groups + b0));
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, a.group_sums.data() + m * groups + b0), acc[m]);
-    }
-    if (count * 2 < kPairs) return;
-    __m512 w;
-    if constexpr (G16) {
-      w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (2 * blocks)) - 1), scales + 2 * b0));
-    } else if (p.group == kBlock) {
-      w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scales + b0));
-    } else {                                            // a scale for several blocks
-      alignas(64) float ws[16] = {};
-      for (int64_t j = 0; j < blocks; ++j) ws[j] = fp16(scales, (b0 + j) * kBlock / p.group);
-      w = _mm512_load_ps(ws);
-    }
-    for (int m = 0; m < M; ++m) {
-      __m512 x = _mm512_maskz_loadu_ps(mask, xd + m * nb + b0);
-      if constexpr (G16) x = _mm512_permutexvar_ps(spread, x);   // a block's scale for both its groups
-      const __m512 s = _mm512_permutexvar_ps(index, _mm512_mul_ps(w, x));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), s, acc[m]);
-    }
-  };
-  int64_t first = 0;
-  for (; first + kPairs <= pairs && 2 * (first + kPairs) <= nb; first += kPairs) chunk(first, std::true_type{});
-  if (first < pairs) chunk(first, std::false_type{});
-  for (int m = 0; m < M; ++m) {
-    result[m] = _mm512_reduce_add_ps(acc[m]);
-    if (p.mins && !fold_mins) result[m] += min_term(p.mins + n * groups, a.group_sums.data() + m * groups, groups);
-  }
-}
-
-template <int BITS, int M>
-void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* result) {
-  if (p.group == 16) return row_dot_512<BITS, M, true>(p, n, a, result);
-  row_dot_512<BITS, M, false>(p, n, a, result);
-}
-
-#else  // 256-bit
 
 // One weight row against M activation rows. The zero point is subtracted from the codes (shared
 // by the M rows); a min per group adds min * (sum of the group's activations) after the loop.
@@ -536,8 +345,6 @@ void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* r
   }
 }
 
-#endif  // TWOSTEP_AVX512
-
 // w = scale * code + offset for one block, 32 floats
 template <int BITS>
 inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, float o0, float d1, float o1,
@@ -555,9 +362,7 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 }
 
 const char* kPath =
-#if defined(TWOSTEP_AVX512)
-    "avx512-vnni-512";
-#elif defined(__AVXVNNI__)
+#if defined(__AVXVNNI__)
     "avx-vnni";
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
     "avx512-vnni";
