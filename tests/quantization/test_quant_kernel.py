@@ -93,6 +93,21 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q6_K])
+def test_half_precision_activations(qtype, dtype, build):
+    """bf16 / fp16 inputs (quantized in vectors on the SIMD build) give what their float32 values give."""
+    kernel = kernel_builds()[build]
+    n, k = 37, 512
+    weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=5), qtype, n, k),))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    method = QuantizedLinearMethod(kernel)
+    got, exact = method.matmul(weight, x), method.matmul(weight, x.float())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, exact.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build", ["simd", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_are_dequantized_for_an_embedding(build, dtype):
     kernel = kernel_builds()[build]
