@@ -63,8 +63,8 @@ void sum_groups(QuantizedActivations& a, int64_t rows, int64_t k, int64_t group)
 }
 
 #ifdef TWOSTEP_AVX2
-// activations (float32, bf16 or fp16), 32 at a time in vectors: the same codes as the scalar loop below (round to
-// nearest even, as nearbyint in the default rounding mode)
+// activations (float32, bf16 or fp16), 32 at a time in vectors: the same codes as the scalar loop
+// below (round to nearest even, as nearbyint in the default rounding mode)
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const at::BFloat16* x) {   // bf16 is float32's upper half
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
