@@ -104,6 +104,22 @@ def test_silu_and_mul_matches_the_torch_ops(dtype, shape):
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("width", [1536, 100, 8, 3])
+def test_bf16_silu_and_mul_rounds_the_float32_silu(width):
+    """bf16 (vectors of 8, then a scalar tail): silu in float32 rounded to bf16 (nearest even,
+    NaN kept), times up, rounded again: the float32 kernel's silu, rounded by torch."""
+    kernel = kernel_or_skip()
+    g = torch.Generator().manual_seed(width)
+    gate = (torch.randn(2, width, generator=g) * 6).to(torch.bfloat16)
+    up = (torch.randn(2, width, generator=g) * 3).to(torch.bfloat16)
+    gate.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(torch.bfloat16)
+    silu = kernel.silu_and_mul(torch.cat([gate.float(), torch.ones(2, width)], -1))
+    want = (silu.to(torch.bfloat16).float() * up.float()).to(torch.bfloat16)
+    got = kernel.silu_and_mul(torch.cat([gate, up], -1))
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_the_qkv_output_is_bit_identical(dtype):
     kernel = kernel_or_skip()

@@ -120,6 +120,25 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef TWOSTEP_AVX2
+// bf16 <-> float32 for 8 values; to_bf16 rounds to nearest even with NaN kept quiet, as c10's
+// float -> BFloat16 conversion does, so a vector result is the scalar loop's bit for bit
+inline __m256 widen_bf16(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load_bf16(const at::BFloat16* x) {
+  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   // each fits 16 bits
+}
+#endif
+
 // silu(g) = g / (1 + exp(-g)) in float32, rounded to T, times u (rounded to T): F.silu(g) * u.
 template <typename T>
 inline void silu_mul_scalar(const T* g, const T* u, T* o, int64_t n) {
@@ -140,15 +159,12 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
       const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
       _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }
-  } else {
-    alignas(32) float sf[8];
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
     for (; i + 8 <= n; i += 8) {
-      float x[8];
-      for (int j = 0; j < 8; ++j) x[j] = as_float(g[i + j]);
-      const __m256 xv = _mm256_loadu_ps(x);
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv));
-      _mm256_store_ps(sf, _mm256_div_ps(xv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-      for (int j = 0; j < 8; ++j) o[i + j] = round_to<T>(as_float(round_to<T>(sf[j])) * as_float(u[i + j]));
+      const __m256 x = load_bf16(g + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 s = widen_bf16(to_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16(_mm256_mul_ps(s, load_bf16(u + i))));
     }
   }
 #endif

@@ -447,19 +447,20 @@ Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, cons
   return p;
 }
 
-template <int BITS, int M>
-void gemv_rows(const Planes& p, int64_t n, const QuantizedActivations& a, float* out, int64_t out_stride) {
+// the float32 sums stored in out's dtype (bf16 / fp16 rounded to nearest even, as Tensor.to rounds)
+template <int BITS, int M, typename out_t>
+void gemv_rows(const Planes& p, int64_t n, const QuantizedActivations& a, out_t* out, int64_t out_stride) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float r[M];
     for (int64_t row = begin; row < end; ++row) {
       row_dot<BITS, M>(p, row, a, r);
-      for (int m = 0; m < M; ++m) out[m * out_stride + row] = r[m];
+      for (int m = 0; m < M; ++m) out[m * out_stride + row] = static_cast<out_t>(r[m]);
     }
   });
 }
 
-template <int BITS>
-void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, float* out, int64_t stride) {
+template <int BITS, typename out_t>
+void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
   switch (m) {
     case 1: return gemv_rows<BITS, 1>(p, n, a, out, stride);
     case 2: return gemv_rows<BITS, 2>(p, n, a, out, stride);
@@ -475,12 +476,14 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
 
 }  // namespace
 
-// out[m, :n] = x[m] . w^T for x [M <= 8, k]; out is float32 [M, >= n] with unit column stride.
+// out[m, :n] = x[m] . w^T for x [M <= 8, k]; out is [M, n] with unit column stride, float32 or x's
+// dtype (the sums are float32 either way; a bf16 / fp16 out saves the caller a cast).
 void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
           const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemv", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.size(0) == x.size(0), "out must be float32 [M, n]");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
+              "out must be [M, n], float32 or x's dtype");
   const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
   TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
@@ -489,13 +492,15 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
     a = quantize_activations<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0));
   });
   if (p.mins) sum_groups(a, m, k, group);
-  float* o = out.data_ptr<float>();
-  switch (bits) {
-    case 4: return gemv_bits<4>(p, n, m, a, o, out.stride(0));
-    case 5: return gemv_bits<5>(p, n, m, a, o, out.stride(0));
-    case 6: return gemv_bits<6>(p, n, m, a, o, out.stride(0));
-    default: return gemv_bits<8>(p, n, m, a, o, out.stride(0));
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemv_out", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    switch (bits) {
+      case 4: return gemv_bits<4>(p, n, m, a, o, out.stride(0));
+      case 5: return gemv_bits<5>(p, n, m, a, o, out.stride(0));
+      case 6: return gemv_bits<6>(p, n, m, a, o, out.stride(0));
+      default: return gemv_bits<8>(p, n, m, a, o, out.stride(0));
+    }
+  });
 }
 
 template <int BITS, typename scalar_t>
