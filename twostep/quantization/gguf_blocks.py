@@ -9,6 +9,7 @@ reference the tests compare against).
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES
 
@@ -128,7 +129,26 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     if blocks.shape[0] != n * k // block:
         raise ValueError(f"{qtype.name} tensor [{n}, {k}] has {blocks.shape[0]} blocks, "
                          f"expected {n * k // block}")
-    codes, scales, mins = decoder(blocks)
     fmt = PackedFormat(bits, group, has_min, qtype.name)
+    if qtype in _SAME_LAYOUT:
+        return _split_fields(blocks, qtype, fmt, n, k)
+    codes, scales, mins = decoder(blocks)
     return pack(codes.reshape(n, k), scales.reshape(n, -1),
                 None if mins is None else mins.reshape(n, -1), fmt)
+
+
+# Types whose block is [fp16 scale, (fp16 min,) codes] with the codes already as the packed qs
+# plane holds them (8-bit: signed bytes; 4-bit: byte i = weight i | weight i + 16 << 4): their
+# planes are the blocks' fields copied out, with no decode and re-pack (3-5x faster at load).
+_SAME_LAYOUT = {QType.Q8_0: 2, QType.Q4_0: 2, QType.Q4_1: 4}      # type -> offset of the codes
+
+
+def _split_fields(blocks: np.ndarray, qtype: QType, fmt: PackedFormat, n: int, k: int) -> PackedWeight:
+    codes_at = _SAME_LAYOUT[qtype]
+    qs = blocks[:, codes_at:].view(np.int8) if fmt.bits == 8 else blocks[:, codes_at:]
+
+    def plane(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
+
+    return PackedWeight(fmt, n, k, plane(qs), None, plane(blocks[:, :2].view(np.float16)),
+                        plane(blocks[:, 2:4].view(np.float16)) if fmt.has_min else None)
