@@ -5,6 +5,8 @@ counters; the registry belongs to one server (no process-global state).
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from twostep.outputs import RequestOutput
@@ -36,6 +38,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._refreshing = threading.Lock()     # the engine loop and a /metrics scrape both refresh
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
@@ -104,6 +107,13 @@ class ServerMetrics:
             self.itl.labels(name).observe(gap)
         if m.tpot is not None:
             self.tpot.labels(name).observe(m.tpot)
+
+    def refresh(self, engine) -> None:
+        """The engine's gauges and counters now (an LLMEngine), read and applied as one so no counter
+        goes back between two callers."""
+        with self._refreshing:
+            self.update_engine(engine.num_running, engine.num_waiting, engine.kv_cache_usage,
+                               engine.get_stats())
 
     def update_engine(self, running: int, waiting: int, kv_usage: float, stats: dict) -> None:
         name = self.model_name

@@ -116,8 +116,7 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
         for out in outputs:
             if out.finished:
                 metrics.observe_finished(out)
-        metrics.update_engine(engine.num_running, engine.num_waiting, engine.kv_cache_usage,
-                              engine.get_stats())
+        metrics.refresh(engine)
 
     state = ServerState(AsyncEngine(llm_engine, config.max_queued_requests, config.request_timeout,
                                     on_step), model_name, metrics, config)
@@ -269,6 +268,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
              responses={200: {"description": "Prometheus text format",
                               "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics():
+        # counters that move between steps (a KV transfer producer serves reads on its own thread,
+        # and an idle engine does not step) are read now, not at the last step
+        state.metrics.refresh(state.engine.engine)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
