@@ -43,11 +43,11 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
     without OpenMP gets a second, single-threaded try."""
     path = str(Path(__file__).with_name(source))
     error = None
-    # the name carries the CPU's flags and a hash of the source and flags: a build is found by name
-    # alone, and a changed kernel gets a new one (so the log below knows when a build is coming)
     import torch
 
-    # (and torch's version: a build against another torch's headers is another module)
+    # the name carries the CPU's flags and a hash of the source, the flags and torch's version: a
+    # build is found by name alone, and a changed kernel (or torch) gets a new one (so the log below
+    # knows when a build is coming)
     digest = hashlib.sha1(Path(path).read_bytes() + " ".join((*_CFLAGS, *cflags, torch.__version__)).encode())
     name = f"{name}_{cpu_tag()}_{digest.hexdigest()[:8]}"
     variants = (("", [_OPENMP]), ("_serial", []))

@@ -139,7 +139,8 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
 
 # Types whose block is [fp16 scale, (fp16 min,) codes] with the codes already as the packed qs
 # plane holds them (8-bit: signed bytes; 4-bit: byte i = weight i | weight i + 16 << 4): their
-# planes are the blocks' fields copied out, with no decode and re-pack (3-5x faster at load).
+# planes are the blocks' fields copied out, with no decode and re-pack (the default
+# file's 211 tensors: 0.32 -> 0.05 s).
 _SAME_LAYOUT = {QType.Q8_0: 2, QType.Q4_0: 2, QType.Q4_1: 4}      # type -> offset of the codes
 
 
