@@ -38,7 +38,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self._refreshing = threading.Lock()     # the engine loop and a /metrics scrape both refresh
+        self._refreshing = threading.Lock()
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
@@ -110,26 +110,24 @@ class ServerMetrics:
 
     def refresh(self, engine) -> None:
         """The engine's gauges and counters now (an LLMEngine), read and applied as one so no counter
-        goes back between two callers."""
+        goes back between two callers (the engine loop and a /metrics scrape)."""
         with self._refreshing:
-            self.update_engine(engine.num_running, engine.num_waiting, engine.kv_cache_usage,
-                               engine.get_stats())
-
-    def update_engine(self, running: int, waiting: int, kv_usage: float, stats: dict) -> None:
-        name = self.model_name
-        self.running.labels(name).set(running)
-        self.waiting.labels(name).set(waiting)
-        self.kv_usage.labels(name).set(kv_usage)
-        for key, counter in self.engine_counters.items():
-            value = stats.get(key, 0)         # speculative counters exist only with speculation
-            if value > self._last_engine[key]:
-                counter.labels(name).inc(value - self._last_engine[key])
-            self._last_engine[key] = value
-        per_pos = stats.get("spec_decode_accepted_per_position", [])
-        for pos, value in enumerate(per_pos):
-            last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
-            self.accepted_per_pos.labels(name, str(pos)).inc(value - last)
-        self._last_per_pos = list(per_pos)
+            running, waiting, kv_usage = engine.num_running, engine.num_waiting, engine.kv_cache_usage
+            stats = engine.get_stats()
+            name = self.model_name
+            self.running.labels(name).set(running)
+            self.waiting.labels(name).set(waiting)
+            self.kv_usage.labels(name).set(kv_usage)
+            for key, counter in self.engine_counters.items():
+                value = stats.get(key, 0)         # speculative counters exist only with speculation
+                if value > self._last_engine[key]:
+                    counter.labels(name).inc(value - self._last_engine[key])
+                self._last_engine[key] = value
+            per_pos = stats.get("spec_decode_accepted_per_position", [])
+            for pos, value in enumerate(per_pos):
+                last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+                self.accepted_per_pos.labels(name, str(pos)).inc(value - last)
+            self._last_per_pos = list(per_pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
