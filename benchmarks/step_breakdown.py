@@ -13,11 +13,16 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
   logits     lm_head on the rows that sample, then the sampler
   engine     everything in LLMEngine.step outside ModelRunner.execute, plus the step's inputs
              and attention metadata
+When the decode stack runs the layers in one C++ call (models/fused_decode.py; "stack" below), no
+Python clock sees inside it: a profile of a few more steps splits its time by the kernels' own
+records (matrix-vector ops under weights, K/V write and paged attention under attention, the rest,
+the stack's own glue included, under other ops).
 Medians over the decode steps; the bound line is the weights' bytes over --bandwidth (GB/s, e.g.
-from `twostep bench ceilings`), when given. --compare-unfused runs the same engine alternately with
-the platform's fused per-layer ops and with the PyTorch ops they replace (layers' native_ops, the
-K/V write through index_copy_), --reps times each, interleaved: this machine's speed drifts by up to
-2x over minutes, so only ratios from one such run mean anything.
+from `twostep bench ceilings`), when given. --compare-unfused runs the same engine alternately in
+three ways: the decode stack ("stack"), the Python layers on the platform's per-layer C++ ops
+("layers"), and the PyTorch ops those replace ("torch ops": layers' native_ops, the K/V write
+through index_copy_), --reps times each, interleaved: this machine's speed drifts by up to 2x over
+minutes, so only ratios from one such run mean anything.
 """
 from __future__ import annotations
 
@@ -77,6 +82,8 @@ def instrument(llm: LLM, clock: StepClock) -> None:
     engine, runner = llm.engine, llm.engine.runner
     clock.wrap(runner.backend, "forward", "attention")
     clock.wrap(runner.model, "forward", "forward")          # the model's forward alone (no logits)
+    if runner.model.fused_decode is not None:
+        clock.wrap(runner.model, "fused_decode", "stack")   # the decode stack: one C++ call
     clock.wrap(runner, "_prepare", "inputs")
     clock.wrap(runner.backend, "build_metadata", "inputs")
     clock.wrap(runner.model, "compute_logits", "lm_head")
@@ -106,30 +113,80 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
         "logits": med(lambda s: s.get("lm_head", 0) + s.get("sampling", 0)),
         "engine": med(lambda s: s["step"] - s["execute"] + s.get("inputs", 0)),
     }
+    parts["stack"] = med(lambda s: s.get("stack", 0))
     parts["step"] = med(lambda s: s["step"])
     return parts
 
 
+WEIGHT_OPS = ("twostep::quant_gemv", "twostep::linear_bf16", "aten::linear")
+ATTENTION_OPS = ("twostep::paged_decode_attention", "twostep::write_kv")
+STACK = "twostep::decode_layers"
+
+
 class OpSwitch:
-    """Switches an engine between the fused per-layer ops it was bound to and PyTorch's."""
+    """Switches an engine between the ways it can run a decode step: "stack" (as bound: the decode
+    stack where it applies), "layers" (the Python layers on the platform's per-layer ops) and
+    "torch ops" (the PyTorch ops those replace)."""
 
     def __init__(self, llm: LLM) -> None:
-        self.ops = [m for m in llm.engine.model.modules() if isinstance(m, CustomOp)]
+        self.model = llm.engine.model
+        self.stack = self.model.fused_decode
+        self.ops = [m for m in self.model.modules() if isinstance(m, CustomOp)]
         self.fused = [dict(m.impls) for m in self.ops]
         self.backend = llm.engine.runner.backend
         self.writer = self.backend.write_values
 
-    def use(self, fused: bool) -> None:
+    def use(self, config: str) -> None:
+        self.model.fused_decode = self.stack if config == "stack" else None
         for m, impls in zip(self.ops, self.fused):
-            m.impls = dict(impls) if fused else dict(m.native_ops)
-        self.backend.write_values = self.writer if fused else None
+            m.impls = dict(m.native_ops) if config == "torch ops" else dict(impls)
+        self.backend.write_values = None if config == "torch ops" else self.writer
 
 
-def measure(llm: LLM, clock: StepClock, prompts, params) -> dict[str, float]:
+def measure(llm: LLM, clock: StepClock, prompts, params, in_stack: bool) -> dict[str, float]:
     clock.steps.clear()
     with clocked_linears(clock):
         llm.generate(prompts, params, use_tqdm=False)
-    return breakdown(clock.steps[2:])           # the prefill step and the first decode left out
+    parts = breakdown(clock.steps[2:])          # the prefill step and the first decode left out
+    layers = parts.pop("stack")
+    if in_stack:
+        split_stack(parts, layers, stack_shares(llm, prompts))
+    return parts
+
+
+def stack_shares(llm: LLM, prompts) -> tuple[float, float]:
+    """(weights, attention) shares of the decode stack's time, from a profile of a few decode steps."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    total = {"stack": 0.0, "weights": 0.0, "attention": 0.0}
+    for event in prof.events():
+        if event.name == STACK:
+            total["stack"] += event.cpu_time_total
+        elif _under(event, STACK):
+            kind = "weights" if event.name in WEIGHT_OPS else "attention" if event.name in ATTENTION_OPS else None
+            if kind is not None and not _under(event, (*WEIGHT_OPS, *ATTENTION_OPS)):
+                total[kind] += event.cpu_time_total
+    if total["stack"] == 0:
+        return 0.0, 0.0
+    return total["weights"] / total["stack"], total["attention"] / total["stack"]
+
+
+def _under(event, names) -> bool:
+    names = (names,) if isinstance(names, str) else names
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in names:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def split_stack(parts: dict[str, float], layers: float, shares: tuple[float, float]) -> None:
+    """Move the stack's weights and attention out of "other ops", where the clock put them."""
+    parts["weights"] += layers * shares[0]
+    parts["attention"] += layers * shares[1]
+    parts["other ops"] -= layers * (shares[0] + shares[1])
 
 
 def main() -> None:
@@ -141,7 +198,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--compare-unfused", action="store_true", help="also the PyTorch ops, interleaved")
+    ap.add_argument("--compare-unfused", action="store_true",
+                    help="also the Python layers and the PyTorch ops, interleaved")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the weight-stream bound")
     ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     args = ap.parse_args()
@@ -150,15 +208,17 @@ def main() -> None:
     prompts = [[100 + 7 * i + j for j in range(16)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    clock, switch = StepClock(), OpSwitch(llm)
+    clock = StepClock()
     instrument(llm, clock)
-    configs = ["fused", "unfused"] if args.compare_unfused else ["fused"]
+    switch = OpSwitch(llm)
+    first = "stack" if switch.stack is not None else "layers"
+    configs = [first, *(c for c in ("layers", "torch ops") if c != first)] if args.compare_unfused else [first]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for _ in range(args.reps):
         for config in configs:
-            switch.use(config == "fused")
-            runs[config].append(measure(llm, clock, prompts, params))
-    switch.use(True)
+            switch.use(config)
+            runs[config].append(measure(llm, clock, prompts, params, config == "stack"))
+    switch.use(first)
     results = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
     weights_mb = weight_bytes(llm.engine.model) / 1e6
     header = {"model": llm.engine.model_path.rsplit("/", 1)[-1], "dtype": str(llm.engine.dtype)[6:],
@@ -177,7 +237,8 @@ def main() -> None:
         print(f"  {name:10s}{cells}")
     print("  tokens/s  " + "".join(f"{args.batch * 1e3 / p['step']:18.1f}" for p in results.values()))
     if args.compare_unfused:
-        print(f"  fused / unfused speed: {results['unfused']['step'] / results['fused']['step']:.2f}x")
+        print("  speed against the torch ops: " + ", ".join(
+            f"{c} {results['torch ops']['step'] / results[c]['step']:.2f}x" for c in configs))
     if args.bandwidth:
         print(f"  weight-stream bound {weights_mb / args.bandwidth:.2f} ms at {args.bandwidth} GB/s")
 

@@ -23,7 +23,9 @@ def kernel_or_skip():
 
 
 def unfused(engine: LLMEngine) -> LLMEngine:
-    """The same engine on PyTorch's ops: every CustomOp back to its native implementation."""
+    """The same engine on PyTorch's ops: every CustomOp back to its native implementation, and
+    every step through the Python layers (no one-call decode stack, which runs the kernels)."""
+    engine.model.fused_decode = None
     for m in engine.model.modules():
         if isinstance(m, CustomOp):
             m.impls = dict(m.native_ops)

@@ -18,6 +18,7 @@ from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.fused_decode import fuse_decode
 from twostep.models.loader import build_model, load_checkpoint, num_weights
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
@@ -96,6 +97,10 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     kv_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
                                   spec.dtype, device, fmt)
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
+    model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend, fmt.quantized)
+    if model.fused_decode is not None:
+        logger.info("decode steps of up to %d rows: the %d layers in one C++ call", model.fused_decode.max_rows,
+                    shard.num_layers)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
     kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,

@@ -120,7 +120,8 @@ def _is_built(name: str) -> bool:
 def build_all() -> dict[str, bool]:
     """Build (or find built) every kernel this CPU can run; kernel name -> usable."""
     builders = {"elementwise": elementwise, "paged_attention": paged_attention, "quant_linear": quant_linear,
-                "quant_linear_portable": quant_linear_portable, "linear_bf16": linear_bf16}
+                "quant_linear_portable": quant_linear_portable, "linear_bf16": linear_bf16,
+                "decode_step": decode_step}
     return {name: build() is not None for name, build in builders.items()}
 
 
@@ -158,3 +159,11 @@ def quant_linear_portable():
     """The same kernel built without its SIMD paths: the fallback for CPUs without AVX2, built
     everywhere by the tests so that path is checked on every machine."""
     return _load("twostep_quant_linear_portable", "quant_linear.cpp", ("-DTWOSTEP_FORCE_SCALAR",))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_step():
+    """A decode step's decoder layers in one call, composed of the other kernels' registered ops
+    (models/fused_decode.py), or None when it cannot be built here. Load the kernels it calls first:
+    it finds their ops in torch's dispatcher when a stack is built."""
+    return _load("twostep_decode_step", "decode_step.cpp")

@@ -27,6 +27,11 @@ class LinearMethod(Protocol):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         ...
 
+    def fused(self, layer: "Linear", kernel) -> tuple[object, int | None] | None:
+        """The layer as kernel.FusedLinear (twostep/kernels/decode_step.cpp) computing what apply()
+        does, and the most rows it may take that way (None: any); None where it cannot."""
+        ...
+
 
 class UnquantizedLinearMethod:
     """The weight as loaded, through F.linear."""
@@ -38,6 +43,12 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def fused(self, layer: "Linear", kernel) -> tuple[object, int | None]:
+        bias = None if layer.bias is None else layer.bias.detach()
+        linear = kernel.FusedLinear(layer.out_features, bias)
+        linear.set_weight(layer.weight.detach(), False)      # at::linear, as F.linear
+        return linear, None
 
 
 class Linear(nn.Module):

@@ -11,6 +11,8 @@ down_proj, the vocab-parallel lookup, and the logits gathered over the vocabular
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -107,6 +109,9 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(cfg, tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // tp.world_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        # fn(x, rope, kv_caches, meta, backend) -> (x, residual) running every layer of the steps it
+        # takes in one platform call, None for the others (models/fused_decode.py); bound at load
+        self.fused_decode: Callable | None = None
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         c = self.config
@@ -124,9 +129,13 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.tp.embed(self.model.embed_tokens, input_ids, self.config.vocab_size)
         rope = self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        fused = None if self.fused_decode is None else self.fused_decode(x, rope, kv_caches, meta, backend)
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(x, residual, rope, kv_cache, meta, backend)
         return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,3 +44,8 @@ class Platform:
         """fn(cache values, k, v, slots) storing new K/V in an unquantized cache of this dtype in
         one call (attention/kv_layer_cache.py's write_kv otherwise), or None."""
         return None
+
+    def decode_step_kernel(self):
+        """A module with DecoderStack and FusedLinear (twostep/kernels/decode_step.cpp) running a
+        decode step's layers in one call (models/fused_decode.py), or None: layer by layer."""
+        return None

@@ -1,7 +1,8 @@
 """The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
 linears with a matrix-vector kernel for 1-3 rows (linear.py), quantized weights read packed
 (quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
-as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py). Each only where its
+as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py), and a
+decode step's layers composed of those in one C++ call (kernels/decode_step.cpp). Each only where its
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ class CpuPlatform(Platform):
         if kernel is None or quantized_kv or dtype not in (torch.float32, torch.bfloat16):
             return None
         return kernel.write_kv
+
+    def decode_step_kernel(self):
+        return kernels.decode_step()
 
 
 def has_native_bf16() -> bool:

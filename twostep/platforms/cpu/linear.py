@@ -48,6 +48,14 @@ class PackedLinearMethod:
             return self.gemv.linear_bf16(x, layer.row_major_weight, layer.plain_bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.plain_bias, "none", [], "")
 
+    def fused(self, layer, kernel):
+        """Rows up to GEMV_MAX_ROWS through the same linear_bf16 op (more take oneDNN: not fused)."""
+        if self.gemv is None:
+            return None
+        linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
+        linear.set_weight(layer.row_major_weight, True)
+        return linear, GEMV_MAX_ROWS
+
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 on a CPU whose oneDNN computes bf16 natively, and the private ops behave."""

@@ -45,6 +45,13 @@ class QuantizedLinearMethod:
             y = y + layer.plain_bias
         return y
 
+    def fused(self, layer, kernel):
+        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns, as apply() and _gemv()."""
+        linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
+        for part in layer.quantized.parts:
+            linear.add_quantized(*part.planes(), *_format_args(part))
+        return linear, GEMV_ROWS
+
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
         if x.shape[0] <= GEMV_MAX_ROWS:

@@ -1,0 +1,132 @@
+"""The one-call decode stack (models/fused_decode.py, twostep/kernels/decode_step.cpp) against the
+same engine running every step through the Python layers: bit-identical tokens and logprobs, for
+float32, bf16 and quantized weights, with q/k norms (qwen3) and biases (qwen2), beside prompt
+chunks, speculative verification and prefix caching; proof that it really takes the decode steps,
+and that where it cannot apply (8-bit KV, the reference attention backend) the layers run."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_all, smollm_path
+from twostep import EngineConfig, LLMEngine, SamplingParams
+from twostep.models.decoder import DecoderLayer
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42],
+           [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], list(range(60, 100)), [3]]
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+def make(model, **kw) -> LLMEngine:
+    # 8 tokens a step: the long prompts are prefilled in chunks beside the others' decodes
+    kw = {"dtype": "float32", "kv_cache_memory": "4MiB", "max_num_batched_tokens": 8, **kw}
+    return LLMEngine(EngineConfig(model=str(model), **kw))
+
+
+def stack_or_skip(engine: LLMEngine) -> LLMEngine:
+    from twostep import kernels
+
+    if kernels.decode_step() is None:
+        pytest.skip("the decode-step kernel cannot be built here (no g++ or ninja)")
+    assert engine.model.fused_decode is not None, "the kernels build, so the decode stack must be bound"
+    return engine
+
+
+class CountedStack:
+    """Wraps a model's fused_decode: how many steps it took."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.inner, self.taken = engine.model.fused_decode, 0
+        engine.model.fused_decode = self
+
+    def __call__(self, *args):
+        out = self.inner(*args)
+        self.taken += out is not None
+        return out
+
+
+def outputs(engine, prompts=PROMPTS, params=PARAMS):
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in run_all(engine, prompts, params)]
+
+
+def layer_by_layer(engine: LLMEngine) -> LLMEngine:
+    engine.model.fused_decode = None
+    return engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, dtype):
+    engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype))
+    counted = CountedStack(engine)
+    fused = outputs(engine)
+    assert counted.taken > 0
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype)))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, quantization):
+    engine = stack_or_skip(make(tiny_model_dir(arch), quantization=quantization))
+    assert engine.model.fused_decode.max_rows == 8     # the quantized matrix-vector kernel's rows
+    counted = CountedStack(engine)
+    fused = outputs(engine)
+    assert counted.taken > 0
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), quantization=quantization)))
+
+
+@pytest.mark.parametrize("extra", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                            "prompt_lookup_min": 1}},
+    {"enable_prefix_caching": True},
+])
+def test_the_decode_stack_beside_speculative_verification_and_prefix_caching(tiny_model_dir, extra):
+    prompts = PROMPTS + PROMPTS[:2]                  # repeats: prefix hits, and n-grams to draft from
+    engine = stack_or_skip(make(tiny_model_dir("llama"), **extra))
+    fused = outputs(engine, prompts)
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **extra)), prompts)
+
+
+def test_a_pure_decode_step_runs_no_python_layer(tiny_model_dir, monkeypatch):
+    engine = stack_or_skip(make(tiny_model_dir("llama")))
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.is_prefilling for r in scheduler.running):
+        engine.step()                                # the prefills
+    calls = []
+    original = DecoderLayer.forward
+    monkeypatch.setattr(DecoderLayer, "forward", lambda *a: calls.append(1) or original(*a))
+    assert len(scheduler.running) == 3
+    engine.step()                                    # three rows, each decoding one token
+    assert calls == []
+
+
+def test_a_batch_wider_than_the_kernels_takes_the_layers(tiny_model_dir, monkeypatch):
+    """bf16 weights' matrix-vector path takes at most 3 rows: 5 decoding sequences run the layers."""
+    engine = stack_or_skip(make(tiny_model_dir("llama"), dtype="bfloat16", max_num_batched_tokens=64))
+    assert engine.model.fused_decode.max_rows == 3
+    counted = CountedStack(engine)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()                                    # all five prompts in one step
+    engine.step()                                    # five decodes
+    assert counted.taken == 0
+
+
+@pytest.mark.parametrize("config", [{"kv_cache_dtype": "int8"}, {"attention_backend": "reference"}])
+def test_no_decode_stack_where_its_kernels_do_not_apply(tiny_model_dir, config):
+    assert make(tiny_model_dir("llama"), **config).model.fused_decode is None
+
+
+@pytest.mark.slow
+def test_the_default_model_decodes_the_same_through_the_stack():
+    path = smollm_path()
+    prompts = [list(range(100, 130)), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    engine = stack_or_skip(make(path, dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=512))
+    counted = CountedStack(engine)
+    fused = outputs(engine, prompts, params)
+    assert counted.taken >= 23
+    plain = layer_by_layer(make(path, dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=512))
+    assert fused == outputs(plain, prompts, params)

@@ -1,0 +1,75 @@
+"""A decode step's decoder layers as one C++ call (twostep/kernels/decode_step.cpp), where the
+platform has every kernel it needs: the role CUDA graphs play for vLLM's decode, on a CPU.
+
+At batch 1 the Python around each layer's ~10 kernel calls (module calls, views, wrappers, the
+attention plan's indirection) cost as much as a third of the step on SmolLM2-135M (30 layers). The
+C++ stack runs the same registered ops in the same order with the same arguments, so its results are
+bit-identical to the layers' (tests/models/test_fused_decode.py checks it in float32 and bf16, with
+and without q/k norms and biases, for quantized, bf16 and float32 weights).
+
+It takes a step when every row decodes one token (no prompt chunk, no drafts to verify), at most
+`max_rows` of them (the fewest any linear's matrix-vector path takes), through the attention backend
+it was built for (the paged decode kernel, an unquantized cache) and on one rank. Any other step runs
+the layers one by one: one model, two ways of driving it.
+"""
+from __future__ import annotations
+
+import torch
+
+from twostep.attention.backend import HybridBackend, HybridMetadata
+from twostep.attention.paged_decode import PagedDecode
+from twostep.layers.linear import Linear
+from twostep.platforms import Platform
+
+# The per-layer ops the C++ stack calls through the dispatcher: the platform must run each of them
+# in the layers too, or the two ways would compute different things.
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_")
+
+
+class FusedDecode:
+    def __init__(self, stack, max_rows: int, backend: HybridBackend) -> None:
+        self.stack, self.max_rows, self.backend = stack, max_rows, backend
+
+    def __call__(self, x: torch.Tensor, rope, kv_caches: list, meta, backend,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's output, the residual stream) for a step it takes, else None."""
+        if (backend is not self.backend or not isinstance(meta, HybridMetadata) or meta.prefill_rows
+                or meta.decode is None or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
+            return None
+        plan = meta.decode
+        return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],
+                                  meta.common.slot_mapping, plan.rows.index, plan.query_lens, plan.tables,
+                                  plan.seq_lens)
+
+
+def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend,
+                quantized_kv: bool) -> FusedDecode | None:
+    """The model's decode stack, or None where a kernel it needs is missing here (then every step
+    runs the layers one by one)."""
+    kernel = platform.decode_step_kernel()
+    cfg = model.config
+    if (kernel is None or model.tp.world_size > 1 or quantized_kv or not isinstance(backend.decode, PagedDecode)
+            or backend.write_values is None or any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)):
+        return None
+    stack = kernel.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                cfg.head_dim ** -0.5)
+    limits: list[int] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = []
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            fused = _fused_linear(linear, kernel)
+            if fused is None:
+                return None
+            linears.append(fused[0])
+            limits += [fused[1]] if fused[1] is not None else []
+        q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
+        k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
+        stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                        q_norm, k_norm, *linears)
+    return FusedDecode(stack, min(limits, default=1 << 30), backend)
+
+
+def _fused_linear(linear: Linear, kernel):
+    fused = getattr(linear.method, "fused", None)
+    return None if fused is None else fused(linear, kernel)
