@@ -14,9 +14,9 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
   engine     everything in LLMEngine.step outside ModelRunner.execute, plus the step's inputs
              and attention metadata
 When the decode stack runs the layers in one C++ call (models/fused_decode.py; "stack" below), no
-Python clock sees inside it: a profile of a few more steps splits its time by the kernels' own
-records (matrix-vector ops under weights, K/V write and paged attention under attention, the rest,
-the stack's own glue included, under other ops).
+Python clock sees inside it: a profile of a few more steps gives the time of its matrix-vector ops
+(under weights) and of its K/V writes and paged attention (under attention) per call; the rest of
+its clocked time, the stack's glue, stays under other ops.
 Medians over the decode steps; the bound line is the weights' bytes over --bandwidth (GB/s, e.g.
 from `twostep bench ceilings`), when given. --compare-unfused runs the same engine alternately in
 three ways: the decode stack ("stack"), the Python layers on the platform's per-layer C++ ops
@@ -150,26 +150,26 @@ def measure(llm: LLM, clock: StepClock, prompts, params, in_stack: bool) -> dict
     parts = breakdown(clock.steps[2:])          # the prefill step and the first decode left out
     layers = parts.pop("stack")
     if in_stack:
-        split_stack(parts, layers, stack_shares(llm, prompts))
+        split_stack(parts, layers, stack_kernels(llm, prompts))
     return parts
 
 
-def stack_shares(llm: LLM, prompts) -> tuple[float, float]:
-    """(weights, attention) shares of the decode stack's time, from a profile of a few decode steps."""
+def stack_kernels(llm: LLM, prompts) -> tuple[float, float]:
+    """Milliseconds a decode stack call spends in the matrix-vector ops and in the attention ops,
+    from a profile of a few decode steps (each op's own time; the profiler's cost per event falls
+    on the stack's glue between them, so these two are the less distorted part)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
-    total = {"stack": 0.0, "weights": 0.0, "attention": 0.0}
+    calls, total = 0, {"weights": 0.0, "attention": 0.0}
     for event in prof.events():
         if event.name == STACK:
-            total["stack"] += event.cpu_time_total
+            calls += 1
         elif _under(event, STACK):
             kind = "weights" if event.name in WEIGHT_OPS else "attention" if event.name in ATTENTION_OPS else None
             if kind is not None and not _under(event, (*WEIGHT_OPS, *ATTENTION_OPS)):
-                total[kind] += event.cpu_time_total
-    if total["stack"] == 0:
-        return 0.0, 0.0
-    return total["weights"] / total["stack"], total["attention"] / total["stack"]
+                total[kind] += event.cpu_time_total / 1e3
+    return (total["weights"] / calls, total["attention"] / calls) if calls else (0.0, 0.0)
 
 
 def _under(event, names) -> bool:
@@ -182,11 +182,14 @@ def _under(event, names) -> bool:
     return False
 
 
-def split_stack(parts: dict[str, float], layers: float, shares: tuple[float, float]) -> None:
-    """Move the stack's weights and attention out of "other ops", where the clock put them."""
-    parts["weights"] += layers * shares[0]
-    parts["attention"] += layers * shares[1]
-    parts["other ops"] -= layers * (shares[0] + shares[1])
+def split_stack(parts: dict[str, float], layers: float, kernels: tuple[float, float]) -> None:
+    """Move the stack's weights and attention out of "other ops", where the clock put them (at
+    most the stack's clocked time)."""
+    weights, attention = (min(k, layers) for k in kernels)
+    attention = min(attention, layers - weights)
+    parts["weights"] += weights
+    parts["attention"] += attention
+    parts["other ops"] -= weights + attention
 
 
 def main() -> None:
