@@ -68,14 +68,37 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, d
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, quantization):
-    engine = stack_or_skip(make(tiny_model_dir(arch), quantization=quantization))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
+    engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
     assert engine.model.fused_decode.max_rows == 8     # the quantized matrix-vector kernel's rows
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0
-    assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), quantization=quantization)))
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization)))
+
+
+def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
+    engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256))
+    counted = CountedStack(engine)
+    for i in range(9):
+        engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()                                    # nine prompts in one step
+    engine.step()                                    # nine decodes: one more than the kernel takes
+    assert counted.taken == 0
+    engine.abort_request([r.request_id for r in list(engine.scheduler.running)][:1])
+    engine.step()                                    # eight
+    assert counted.taken == 1
+
+
+def test_a_float32_cache_under_a_bf16_model_decodes(tiny_model_dir):
+    """The cache's dtype differs from the model's: the K/V write converts (no one-call writer), so
+    the stack, which stores K/V as they are, stays off."""
+    engine = make(tiny_model_dir("llama"), dtype="bfloat16", kv_cache_dtype="float32")
+    assert engine.model.fused_decode is None and engine.runner.backend.write_values is None
+    (tokens, logprobs), = outputs(engine, PROMPTS[:1])
+    assert len(tokens) == PARAMS.max_tokens and all(abs(v) < 1e3 for d in logprobs for v in d.values())
 
 
 @pytest.mark.parametrize("extra", [
@@ -86,7 +109,9 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
 def test_the_decode_stack_beside_speculative_verification_and_prefix_caching(tiny_model_dir, extra):
     prompts = PROMPTS + PROMPTS[:2]                  # repeats: prefix hits, and n-grams to draft from
     engine = stack_or_skip(make(tiny_model_dir("llama"), **extra))
+    counted = CountedStack(engine)
     fused = outputs(engine, prompts)
+    assert counted.taken > 0
     assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **extra)), prompts)
 
 

@@ -31,5 +31,8 @@ def get_attention_backend(name: str = "auto", platform: Platform | None = None,
     kernel = None
     if name != "reference":
         kernel = platform.paged_decode_attention(kv.storage or dtype, kv.quantized)
-    writer = platform.kv_cache_write(kv.storage or dtype, kv.quantized) if name != "reference" else None
+    # the one-call writer stores k/v as they are: only into a cache of the model's own dtype (a float32
+    # cache under a bf16 model takes write_kv's conversion)
+    same_dtype = (kv.storage or dtype) == dtype
+    writer = platform.kv_cache_write(dtype, kv.quantized) if name != "reference" and same_dtype else None
     return HybridBackend(ReferencePrefill(), PagedDecode(kernel) if kernel else ReferenceDecode(), writer)

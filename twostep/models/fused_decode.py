@@ -14,6 +14,8 @@ the layers one by one: one model, two ways of driving it.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from twostep.attention.backend import HybridBackend, HybridMetadata
@@ -24,6 +26,8 @@ from twostep.platforms import Platform
 # The per-layer ops the C++ stack calls through the dispatcher: the platform must run each of them
 # in the layers too, or the two ways would compute different things.
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_")
+
+logger = logging.getLogger(__name__)
 
 
 class FusedDecode:
@@ -47,10 +51,18 @@ def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBa
     """The model's decode stack, or None where a kernel it needs is missing here (then every step
     runs the layers one by one)."""
     kernel = platform.decode_step_kernel()
-    cfg = model.config
     if (kernel is None or model.tp.world_size > 1 or quantized_kv or not isinstance(backend.decode, PagedDecode)
             or backend.write_values is None or any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)):
         return None
+    try:
+        return _build(model, kernel, backend)
+    except RuntimeError as e:       # an op it calls is not registered (its kernel did not load)
+        logger.warning("decode stack unavailable (%s); decode steps run layer by layer", str(e).splitlines()[0])
+        return None
+
+
+def _build(model, kernel, backend: HybridBackend) -> FusedDecode | None:
+    cfg = model.config
     stack = kernel.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                 cfg.head_dim ** -0.5)
     limits: list[int] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from twostep import kernels
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
@@ -46,7 +47,11 @@ class QuantizedLinearMethod:
         return y
 
     def fused(self, layer, kernel):
-        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns, as apply() and _gemv()."""
+        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns, as apply() and _gemv().
+        The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
+        portable build's is twostep_portable::): any other kernel is not fused."""
+        if self.kernel is not kernels.quant_linear():
+            return None
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
             linear.add_quantized(*part.planes(), *_format_args(part))
