@@ -97,7 +97,7 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     kv_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
                                   spec.dtype, device, fmt)
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
-    model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend, fmt.quantized)
+    model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend)
     if model.fused_decode is not None:
         logger.info("decode steps of up to %d rows: the %d layers in one C++ call", model.fused_decode.max_rows,
                     shard.num_layers)

@@ -18,9 +18,8 @@ import logging
 
 import torch
 
-from twostep.attention.backend import HybridBackend, HybridMetadata
+from twostep.attention.backend import HybridBackend
 from twostep.attention.paged_decode import PagedDecode
-from twostep.layers.linear import Linear
 from twostep.platforms import Platform
 
 # The per-layer ops the C++ stack calls through the dispatcher: the platform must run each of them
@@ -37,8 +36,8 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, rope, kv_caches: list, meta, backend,
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for a step it takes, else None."""
-        if (backend is not self.backend or not isinstance(meta, HybridMetadata) or meta.prefill_rows
-                or meta.decode is None or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
+        # the backend it was built for builds HybridMetadata
+        if (backend is not self.backend or meta.prefill_rows or meta.decode is None or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
             return None
         plan = meta.decode
         return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],
@@ -46,12 +45,11 @@ class FusedDecode:
                                   plan.seq_lens)
 
 
-def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend,
-                quantized_kv: bool) -> FusedDecode | None:
+def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend) -> FusedDecode | None:
     """The model's decode stack, or None where a kernel it needs is missing here (then every step
-    runs the layers one by one)."""
+    runs the layers one by one). An 8-bit cache has neither the paged kernel nor the one-call write."""
     kernel = platform.decode_step_kernel()
-    if (kernel is None or model.tp.world_size > 1 or quantized_kv or not isinstance(backend.decode, PagedDecode)
+    if (kernel is None or model.tp.world_size > 1 or not isinstance(backend.decode, PagedDecode)
             or backend.write_values is None or any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)):
         return None
     try:
@@ -70,18 +68,14 @@ def _build(model, kernel, backend: HybridBackend) -> FusedDecode | None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            fused = _fused_linear(linear, kernel)
+            fused = linear.method.fused(linear, kernel)
             if fused is None:
                 return None
             linears.append(fused[0])
-            limits += [fused[1]] if fused[1] is not None else []
+            if fused[1] is not None:
+                limits.append(fused[1])
         q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
         k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                         q_norm, k_norm, *linears)
     return FusedDecode(stack, min(limits, default=1 << 30), backend)
-
-
-def _fused_linear(linear: Linear, kernel):
-    fused = getattr(linear.method, "fused", None)
-    return None if fused is None else fused(linear, kernel)
