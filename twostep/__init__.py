@@ -1,7 +1,7 @@
 """twostep: an LLM inference engine that makes prefill and decode explicit."""
 import gc as _gc
 
-# Importing torch creates about a million objects that live as long as the process. The cycle
+# Importing torch creates ~250,000 objects that live as long as the process. The cycle
 # collector's passes over them cost ~0.2 s of a warm `twostep generate` (~10%): while they are
 # imported it is paused, and then they are frozen (gc.freeze: out of its sight, as vLLM does with its
 # engine's start-up heap), so neither the import nor the load and the steps after it walk them
