@@ -125,11 +125,13 @@ def decode_rate(token_times: list[list[float]]) -> float:
 class Twostep:
     name = "twostep"
 
-    def __init__(self, path: str, dtype: str, threads: int, kv_cache_memory: str | None = None):
+    def __init__(self, path: str, dtype: str, threads: int, kv_cache_memory: str | None = None,
+                 int8_activations: bool = False):
         from twostep import LLM
 
+        self.name = "twostep int8" if int8_activations else "twostep"
         self.llm = LLM(path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
-                       kv_cache_memory=kv_cache_memory)
+                       kv_cache_memory=kv_cache_memory, cpu_int8_activations=int8_activations)
 
     def generate(self, reqs):
         from twostep import SamplingParams
@@ -290,8 +292,10 @@ def run_phases(args) -> dict:
                                else (None, "skipped"))
     for name, status in peers.items():
         print(f"{name}: {status}", flush=True)
-    ours = Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB")
-    engines = [e for e in (ours, hf, cpp) if e is not None]
+    ours = [Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB")]
+    if args.int8_activations:
+        ours.append(Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", int8_activations=True))
+    engines = [e for e in (*ours, hf, cpp) if e is not None]
     warm = Phase("warm-up", 1, 16, 4)
     for e in engines:
         e.measure(warm, seed=0)
@@ -306,16 +310,16 @@ def run_phases(args) -> dict:
     for p in phases:
         med = {e: statistics.median(s[p.name]) if s[p.name] else None for e, s in samples.items()}
         rows.append({"phase": p.name, **{f"{e}_tok_s": v for e, v in med.items()},
-                     **{f"twostep/{e}": med["twostep"] / v for e, v in med.items()
-                        if e != "twostep" and v}})
-    print_table(rows, [e.name for e in engines])
+                     **{f"{o.name}/{e}": med[o.name] / v for o in ours for e, v in med.items()
+                        if not e.startswith("twostep") and v and med[o.name]}})
+    print_table(rows, [e.name for e in engines], [o.name for o in ours])
     return {"mode": "phases", "model": path, "gguf": gguf, "dtype": args.dtype,
             "threads": args.threads, "reps": args.reps, "peers": peers,
             "phases": [vars(p) for p in phases], "rows": rows, "samples": samples}
 
 
-def print_table(rows: list[dict], engines: list[str]) -> None:
-    ratios = [f"twostep/{e}" for e in engines if e != "twostep"]
+def print_table(rows: list[dict], engines: list[str], ours: tuple[str, ...] = ("twostep",)) -> None:
+    ratios = [f"{o}/{e}" for o in ours for e in engines if not e.startswith("twostep")]
     columns = ["phase", *engines, *ratios]
     print("\ntokens/s, medians\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for r in rows:
@@ -399,6 +403,9 @@ def main() -> None:
     g.add_argument("--decode-prompt-len", type=int, default=128)
     g.add_argument("--gen", type=int, default=128)
     g.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    g.add_argument("--int8-activations", action="store_true",
+                   help="also twostep with --cpu-int8-activations (llama.cpp's activation precision), "
+                        "back to back with the rest")
     g = ap.add_argument_group("throughput")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")

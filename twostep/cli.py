@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=d.cpu_gemv,
                    help="bf16 on CPU: batch-1 linears through the C++ matrix-vector kernel, which keeps a "
                         "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
+    p.add_argument("--cpu-int8-activations", action=argparse.BooleanOptionalAction, default=d.cpu_int8_activations,
+                   help="quantized weights (4-6-bit codes) on CPU, inputs of 8 rows or more (prefill, decode "
+                        "batches): activations quantized to int8 per block of 32 as llama.cpp does, for its "
+                        "speed and its precision (default: off, int16, the float product within 2**-16)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
@@ -104,6 +108,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
+        cpu_int8_activations=args.cpu_int8_activations,
         kv_transfer_config=args.kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method, distributed_timeout_s=args.distributed_timeout,
     )

@@ -79,6 +79,24 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
     assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization)))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eight_decodes_with_int8_activations_as_the_layers(tiny_model_dir, dtype):
+    """--cpu-int8-activations: eight decode rows take the int8 product in the stack as in the layers."""
+    from twostep import kernels
+
+    if kernels.quant_linear() is None or not kernels.quant_linear().has_int8():
+        pytest.skip("the int8 product needs the kernel built with AVX2")
+    kw = dict(dtype=dtype, quantization="int4", cpu_int8_activations=True, max_num_batched_tokens=256)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(8)]
+    engine = stack_or_skip(make(tiny_model_dir("llama"), **kw))
+    counted = CountedStack(engine)
+    fused = outputs(engine, prompts)
+    assert counted.taken > 0
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **kw)), prompts)
+    plain = outputs(make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": False}), prompts)
+    assert plain != fused                      # the int8 product really ran
+
+
 def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
     engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256))
     counted = CountedStack(engine)

@@ -22,6 +22,18 @@ from twostep.quantization.quantize import quantize_weight
 SCALE_ROUNDING = 2 ** -11
 # the matrix-vector kernel quantizes activations per block of 32 to int16 (a relative 2**-16 each)
 GEMV_RTOL = 2e-4
+# int8 activations (a step of max|x| / 127 per block of 32): a random row's summed rounding errors
+# against the largest output
+INT8_RTOL = 2e-2
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 product reads it: per block of 32, codes round(x / d), d = max|x| / 127,
+    computed as the kernel computes them (float32, x times the reciprocal, ties to even)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
 def random_blocks(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
@@ -90,6 +102,50 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
     # and the packed weights are gguf's: within the K-quants' scale rounding of its dequantizer
     direct = F.linear(x, reference(raw, qtype, n, k))
     torch.testing.assert_close(got, direct, rtol=0, atol=atol + 4 * SCALE_ROUNDING * scale)
+
+
+@pytest.mark.parametrize("rows", [8, 13, 64])
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
+def test_int8_activations_product(qtype, n, k, rows):
+    """--cpu-int8-activations: from 8 rows, exactly the product of the int8-rounded activations
+    (4 to 6-bit codes; 8-bit ones keep the int16 product), and near the float one."""
+    kernel = kernel_builds()["simd"]
+    if not kernel.has_int8():
+        pytest.skip("the int8 product needs AVX2")
+    raw = random_blocks(qtype, n, k, seed=3 * n + k)
+    weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    method = QuantizedLinearMethod(kernel, int8_activations=True)
+    got = method.matmul(weight, x)
+    expected = F.linear(x, weight.dequantize())
+    scale = expected.abs().max().item()
+    if weight.parts[0].fmt.bits == 8:
+        torch.testing.assert_close(got, QuantizedLinearMethod(kernel).matmul(weight, x), rtol=0, atol=0)
+        return
+    exact = F.linear(int8_activations(x).double(), weight.dequantize().double()).float()
+    torch.testing.assert_close(got, exact, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(got, expected, rtol=0, atol=INT8_RTOL * scale)
+    # bf16 activations: what their float32 values give, rounded once
+    half = x.bfloat16()
+    torch.testing.assert_close(method.matmul(weight, half), method.matmul(weight, half.float()).bfloat16(),
+                               rtol=0, atol=0)
+
+
+def test_int8_activations_are_opt_in_and_leave_decode_rows_alone():
+    """Off by default; with it, up to 7 rows keep the int16 matrix-vector product bit for bit."""
+    kernel = kernel_builds()["simd"]
+    if not kernel.has_int8():
+        pytest.skip("the int8 product needs AVX2")
+    assert not QuantizedLinearMethod(kernel).int8
+    method = QuantizedLinearMethod(kernel, int8_activations=True)
+    assert method.int8 and method.gemv_rows == 7 and "int8" in method.name
+    raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
+    weight = QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4))
+    plain = QuantizedLinearMethod(kernel)
+    assert torch.equal(method.matmul(weight, x[:7]), plain.matmul(weight, x[:7]))
+    assert not torch.equal(method.matmul(weight, x), plain.matmul(weight, x))      # 8 rows: int8
+    assert not QuantizedLinearMethod(kernel_builds()["portable"], int8_activations=True).int8
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])
@@ -168,6 +224,8 @@ def test_kernel_paths_are_named():
         elif {"avx512_vnni", "avx512vl"} <= flags:
             expected = "avx512-vnni"
         assert builds["simd"].path() == expected
+        assert builds["simd"].has_int8()
+    assert not builds["portable"].has_int8()
 
 
 @pytest.mark.parametrize("qtype,bits", [(QType.Q4_0, 4.5), (QType.Q8_0, 8.5), (QType.Q4_1, 5.0),

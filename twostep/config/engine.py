@@ -53,6 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     cpu_gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
+    cpu_int8_activations: bool = False     # quantized weights, 8+ rows: int8 activations as llama.cpp (faster, noisier)
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
     max_n: int = 128                       # the most completions one request may ask for

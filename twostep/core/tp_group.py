@@ -55,6 +55,7 @@ class WorkerSpec:
     device: str
     cpu_prepack_weights: bool
     cpu_gemv: bool
+    cpu_int8_activations: bool
     backend: str                    # gloo | nccl
     init_method: str
     timeout_s: float
@@ -258,7 +259,7 @@ def _build(rank: int, world_size: int, spec: WorkerSpec):
     if device.type == "cuda":      # one GPU per rank on its machine (untested here: no GPUs)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    platform = get_platform(device, spec.cpu_prepack_weights, spec.cpu_gemv)
+    platform = get_platform(device, spec.cpu_prepack_weights, spec.cpu_gemv, spec.cpu_int8_activations)
     import dataclasses
 
     model = dataclasses.replace(spec.model, platform=platform, tp=TensorParallel(rank, world_size))

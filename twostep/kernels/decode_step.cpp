@@ -6,7 +6,8 @@
 // saved is the interpreter: ~40 Python calls, views and tensor wrappers per layer, 1.5-3 ms of a
 // batch-1 step on a 30-layer model.
 //
-// A linear is quantized parts (one quant_gemv each into its columns), a bf16 weight through the
+// A linear is quantized parts (one quant_gemv each into its columns; with int8 activations, from
+// 8 rows, quant_gemm_int8 for 4 to 6-bit codes, as the Python layers), a bf16 weight through the
 // bf16 matrix-vector op, or a float weight through at::linear, each with an optional bias.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,6 +43,7 @@ struct QuantPart {
   Tensor qs, scales;
   OptTensor qh, mins;
   int64_t bits, group, zero;
+  int64_t int8_rows;   // from this many rows the int8 product (4 to 6-bit codes); 0: never
 };
 
 class FusedLinear {
@@ -49,12 +51,16 @@ class FusedLinear {
   FusedLinear(int64_t out_features, OptTensor bias) : out_features_(out_features), bias_(std::move(bias)) {}
 
   void add_quantized(Tensor qs, OptTensor qh, Tensor scales, OptTensor mins, int64_t bits, int64_t group,
-                     int64_t zero) {
+                     int64_t zero, int64_t int8_rows) {
     TORCH_CHECK(!weight_.defined(), "a linear is quantized parts or one float weight");
     if (!quant_gemv_) {
       quant_gemv_ = find_op<QuantGemv>("twostep::quant_gemv");
     }
-    parts_.push_back({std::move(qs), std::move(scales), std::move(qh), std::move(mins), bits, group, zero});
+    if (bits == 8) int8_rows = 0;
+    if (int8_rows > 0 && !quant_gemm_int8_) {
+      quant_gemm_int8_ = find_op<QuantGemv>("twostep::quant_gemm_int8");
+    }
+    parts_.push_back({std::move(qs), std::move(scales), std::move(qh), std::move(mins), bits, group, zero, int8_rows});
   }
 
   void set_weight(Tensor weight, bool bf16_gemv) {
@@ -75,7 +81,9 @@ class FusedLinear {
     for (const QuantPart& p : parts_) {
       const int64_t n = p.qs.size(0);
       Tensor columns = parts_.size() == 1 ? y : y.narrow(1, start, n);
-      quant_gemv_->call(x, p.qs, p.qh, p.scales, p.mins, p.bits, p.group, p.zero, columns);
+      const bool int8 = p.int8_rows > 0 && x.size(0) >= p.int8_rows;
+      (int8 ? *quant_gemm_int8_ : *quant_gemv_).call(x, p.qs, p.qh, p.scales, p.mins, p.bits, p.group, p.zero,
+                                                     columns);
       start += n;
     }
     return bias_.has_value() ? y + *bias_ : y;
@@ -86,7 +94,7 @@ class FusedLinear {
   OptTensor bias_;
   std::vector<QuantPart> parts_;
   Tensor weight_;
-  std::optional<c10::TypedOperatorHandle<QuantGemv>> quant_gemv_;
+  std::optional<c10::TypedOperatorHandle<QuantGemv>> quant_gemv_, quant_gemm_int8_;
   std::optional<c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&)>> linear_bf16_;
 };
 

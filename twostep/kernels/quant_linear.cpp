@@ -5,10 +5,15 @@
 //   error near 2**-16, so the result is the float product of the dequantized weights within float
 //   rounding), and a block's dot product is integer multiply-adds of its codes against them:
 //     sum_i w_i x_i = sum_groups scale * xd * sum_i q_i xq_i + (min - zero * scale) * xd * sum_i xq_i
-//   The second term needs only each block's sum of xq, computed once per call. (llama.cpp quantizes
-//   activations to int8 instead: as fast here, but ~0.5% off, enough to flip a close top token.)
+//   The second term needs only each block's sum of xq, computed once per call.
 //   Paths, chosen where the kernel is built (on the machine that runs it, -march=native):
 //   AVX-VNNI / AVX512-VNNI dpwssd, AVX2 madd, and plain C++ as the fallback.
+// gemm_int8 (AVX2 and up, 4 to 6-bit codes; the engine's opt-in --cpu-int8-activations): any
+//   number of rows with the activations quantized per block of 32 to int8, as llama.cpp quantizes
+//   them for its products (a step of max|x| / 127 a block: about bf16's precision at best, enough
+//   noise to flip a close top token), a panel of 8 weight rows unpacked to bytes once for every
+//   row of x, u8 x s8 multiply-adds (vpmaddubsw). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on
+//   the dequantized weights at 512 rows, 2-3.5x gemv's passes at 8-64 rows.
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
 //   matrix-matrix product hands to oneDNN / MKL).
 #include <torch/extension.h>
@@ -17,7 +22,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TWOSTEP_FORCE_SCALAR)
 #define TWOSTEP_AVX2 1
@@ -361,6 +369,233 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
   }
 }
 
+// ---- int8 matrix-matrix product (AVX2), for many rows: prefill and large decode batches ----
+//
+// Activations quantized per block of 32 to int8 (llama.cpp's precision for its matrix products:
+// a block's step is max|x| / 127), weights' codes unpacked to bytes for 8 output columns at a
+// time, and u8 x s8 multiply-adds (vpmaddubsw) summed in int16 for as many steps as cannot
+// overflow, then in int32 and, per block, in float with the two scales.
+
+struct Int8Activations {
+  std::vector<int8_t> q;          // [m, k]
+  std::vector<float> scale;       // [m, k / 32]
+  std::vector<float> group_sums;  // [m, k / group]: sum over the group's blocks of scale * (sum of codes)
+};
+
+inline __m256 load8(const double* x) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(x + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(x)));
+}
+
+template <typename scalar_t>
+Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group) {
+  const int64_t nb = k / kBlock, groups = k / group;
+  Int8Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
+                    std::vector<float>(rows * groups, 0.f)};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const scalar_t* xb = x + m * stride + b * kBlock;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = load8(xb + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+        mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+        const float d = _mm_cvtss_f32(mx) / 127.f;
+        const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        __m256i i32[4];
+        for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+        const __m256i q = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * k + b * kBlock), q);
+        a.scale[m * nb + b] = d;
+        // sums of the codes of each half block (lanes 0-3: codes 0-15; 4-7: 16-31)
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+        __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+        lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E));
+        lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
+        hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4E));
+        hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xB1));
+        a.group_sums[m * groups + (b * kBlock) / group] += d * _mm_cvtsi128_si32(lo);
+        a.group_sums[m * groups + (b * kBlock + 16) / group] += d * _mm_cvtsi128_si32(hi);
+      }
+    }
+  });
+  return a;
+}
+
+constexpr int kPanel = 8;                    // output columns per panel (the eight int32 lanes)
+constexpr int64_t kPanelBytes = 32 * kPanel;  // a block of a panel's codes
+
+// out[s] = the s-th dword of each of c[0..7] (an 8 x 8 transpose of 32-bit elements)
+inline void transpose8(const __m256i c[8], __m256i out[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(c[2 * i], c[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(c[2 * i], c[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    out[s] = _mm256_permute2x128_si256(u[s], u[4 + s], 0x20);
+    out[s + 4] = _mm256_permute2x128_si256(u[s], u[4 + s], 0x31);
+  }
+}
+
+// A panel of 8 weight rows (output columns) n0.. as bytes, block by block: block b's bytes
+// 32 s + 4 j .. +3 are codes 4 s .. 4 s + 3 of column j; its scales and offsets (min - zero *
+// scale) per group, 8 floats each. Columns past n are zeros.
+template <int BITS>
+void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float* scales, float* offsets) {
+  const int64_t nb = p.k / kBlock, groups = p.groups_row();
+  const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i c[kPanel], t[kPanel];
+    for (int j = 0; j < kPanel; ++j) {
+      if (j < cols) {
+        const int64_t row = n0 + j;
+        c[j] = decode_block<BITS>(p.qs + row * p.qs_row() + b * qs_bytes(BITS),
+                                  p.qh ? p.qh + row * p.qh_row() + b * qh_bytes(BITS) : nullptr);
+      } else {
+        c[j] = _mm256_setzero_si256();
+      }
+    }
+    transpose8(c, t);
+    for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kPanelBytes + 32 * s), t[s]);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int j = 0; j < kPanel; ++j) {
+      const int64_t at = (n0 + j) * groups + g;
+      const float d = j < cols ? fp16(p.scales, at) : 0.f;
+      scales[g * kPanel + j] = d;
+      offsets[g * kPanel + j] = j < cols ? (p.mins ? fp16(p.mins, at) : 0.f) - p.zero * d : 0.f;
+    }
+  }
+}
+
+// out[r, j] for R rows from m0 and a panel's 8 columns. F: steps of 4 codes the int16 sums take
+// before they could overflow (2 * F * max code * 128 <= 32767); a group of 16 changes scale mid-block.
+template <int BITS, int R, bool G16, typename out_t>
+inline void panel_tile(const uint8_t* codes, const float* scales, const float* offsets, const Int8Activations& a,
+                       int64_t m0, int64_t k, int64_t group, bool offset, out_t* out, int64_t stride, int cols) {
+  constexpr int F = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
+  constexpr int kHalves = G16 ? 2 : 1, kSteps = 8 / kHalves;
+  const int64_t nb = k / kBlock, groups = k / group;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x[R];
+  const float* xd[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = a.q.data() + (m0 + r) * k;
+    xd[r] = a.scale.data() + (m0 + r) * nb;
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = codes + b * kPanelBytes;
+    for (int h = 0; h < kHalves; ++h) {
+      __m256i sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+      for (int f = 0; f < kSteps; f += F) {
+        __m256i t[R];
+        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+        for (int s = h * kSteps + f; s < h * kSteps + f + F; ++s) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, x[r] + b * kBlock + 4 * s, 4);
+            t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+          }
+        }
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(t[r], ones));
+      }
+      const int64_t g = G16 ? 2 * b + h : (b * kBlock) / group;
+      const __m256 d = _mm256_loadu_ps(scales + g * kPanel);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b])), acc[r]);
+    }
+  }
+  if (offset) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 o = _mm256_loadu_ps(offsets + g * kPanel);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.group_sums[(m0 + r) * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out_t* dst = out + (m0 + r) * stride;
+    if constexpr (std::is_same_v<out_t, float>) {
+      if (cols == kPanel) {
+        _mm256_storeu_ps(dst, acc[r]);
+        continue;
+      }
+    }
+    float sums[kPanel];
+    _mm256_storeu_ps(sums, acc[r]);
+    for (int j = 0; j < cols; ++j) dst[j] = static_cast<out_t>(sums[j]);
+  }
+}
+
+template <int BITS, bool G16, typename out_t>
+void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
+  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  // a chunk of panels unpacked at once, sized for the L2 cache; every row tile passes over it
+  const int64_t per_chunk = std::max<int64_t>(1, (192 << 10) / (nb * kPanelBytes));
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
+  const bool offset = p.mins || p.zero;
+  constexpr int kRows = 4;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> codes(per_chunk * nb * kPanelBytes);
+    std::vector<float> scales(per_chunk * groups * kPanel), offsets(per_chunk * groups * kPanel);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t first = c * per_chunk, count = std::min(per_chunk, panels - first);
+      for (int64_t i = 0; i < count; ++i)
+        unpack_panel<BITS>(p, n, (first + i) * kPanel, codes.data() + i * nb * kPanelBytes,
+                           scales.data() + i * groups * kPanel, offsets.data() + i * groups * kPanel);
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m - m0);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t n0 = (first + i) * kPanel;
+          const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+          const uint8_t* w = codes.data() + i * nb * kPanelBytes;
+          const float* s = scales.data() + i * groups * kPanel;
+          const float* o = offsets.data() + i * groups * kPanel;
+          out_t* dst = out + n0;
+          switch (rows) {
+            case 4: panel_tile<BITS, 4, G16>(w, s, o, a, m0, k, p.group, offset, dst, stride, cols); break;
+            case 3: panel_tile<BITS, 3, G16>(w, s, o, a, m0, k, p.group, offset, dst, stride, cols); break;
+            case 2: panel_tile<BITS, 2, G16>(w, s, o, a, m0, k, p.group, offset, dst, stride, cols); break;
+            default: panel_tile<BITS, 1, G16>(w, s, o, a, m0, k, p.group, offset, dst, stride, cols); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename out_t>
+void gemm_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
+  const bool g16 = p.group == 16;
+  switch (p.bits) {
+    case 4: return g16 ? gemm_int8_bits<4, true>(p, n, m, a, out, stride) : gemm_int8_bits<4, false>(p, n, m, a, out, stride);
+    case 5: return g16 ? gemm_int8_bits<5, true>(p, n, m, a, out, stride) : gemm_int8_bits<5, false>(p, n, m, a, out, stride);
+    default: return g16 ? gemm_int8_bits<6, true>(p, n, m, a, out, stride) : gemm_int8_bits<6, false>(p, n, m, a, out, stride);
+  }
+}
+
+constexpr bool kInt8 = true;
+
 const char* kPath =
 #if defined(__AVXVNNI__)
     "avx-vnni";
@@ -420,6 +655,8 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 }
 
 const char* kPath = "scalar";
+constexpr bool kInt8 = false;     // no int8 product in plain C++
+
 
 #endif
 
@@ -503,6 +740,33 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   });
 }
 
+// The same product for any number of rows through the int8 path (AVX2 builds; 4 to 6-bit codes):
+// out [M, n] float32 or x's dtype, unit column stride.
+void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+               const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+               int64_t zero, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_gemm_int8", c10::ArrayRef<c10::IValue>({}));
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
+              "out must be [M, n], float32 or x's dtype");
+  TORCH_CHECK(bits != 8, "the int8 product takes 4 to 6-bit codes (8-bit ones: quant_gemv or tiles)");
+  const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
+#ifdef TWOSTEP_AVX2
+  if (m == 0) return;
+  Int8Activations a;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_int8", [&] {
+    a = quantize_int8<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0), group);
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemm_int8_out", [&] {
+    gemm_int8_panels<scalar_t>(p, n, m, a, out.data_ptr<scalar_t>(), out.stride(0));
+  });
+#else
+  TORCH_CHECK(false, "this build has no int8 product (it needs AVX2)");
+#endif
+}
+
 template <int BITS, typename scalar_t>
 void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
   const int64_t k = p.k, nb = k / kBlock;
@@ -555,6 +819,7 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
 }
 
 std::string path() { return kPath; }
+bool has_int8() { return kInt8; }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace.
@@ -569,6 +834,8 @@ std::string path() { return kPath; }
 TWOSTEP_FRAGMENT(TWOSTEP_OPS, m) {
   m.def("quant_gemv(Tensor x, Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, int zero, "
         "Tensor(a!) out) -> ()");
+  m.def("quant_gemm_int8(Tensor x, Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
+        "int zero, Tensor(a!) out) -> ()");
   m.def("quant_dequantize_rows(Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
         "int zero, Tensor ids, Tensor(a!) out) -> ()");
 }
@@ -577,6 +844,11 @@ TWOSTEP_IMPL(TWOSTEP_OPS, m) {
   m.impl("quant_gemv", [](const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
                           const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
                           int64_t group, int64_t zero, at::Tensor out) { gemv(x, qs, qh, scales, mins, bits, group, zero, out); });
+  m.impl("quant_gemm_int8", [](const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                               int64_t group, int64_t zero, at::Tensor out) {
+    gemm_int8(x, qs, qh, scales, mins, bits, group, zero, out);
+  });
   m.impl("quant_dequantize_rows", [](const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
                                      const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
                                      int64_t group, int64_t zero, const at::Tensor& ids, at::Tensor out) {
@@ -585,7 +857,9 @@ TWOSTEP_IMPL(TWOSTEP_OPS, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "quantized matrix-vector product for 1-8 rows into a float32 out");
+  m.def("gemv", &gemv, "quantized matrix-vector product for 1-8 rows, int16 activations");
+  m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
+  m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
   m.def("path", &path, "the instruction set this build uses");
 }

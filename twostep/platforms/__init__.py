@@ -17,9 +17,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def get_platform(device: torch.device, cpu_prepack_weights: bool = True, cpu_gemv: bool = True) -> Platform:
+def get_platform(device: torch.device, cpu_prepack_weights: bool = True, cpu_gemv: bool = True,
+                 cpu_int8_activations: bool = False) -> Platform:
     if device.type == "cpu":
-        return CpuPlatform(device, cpu_prepack_weights, cpu_gemv)
+        return CpuPlatform(device, cpu_prepack_weights, cpu_gemv, cpu_int8_activations)
     return Platform(device)
 
 

@@ -22,9 +22,10 @@ from twostep.platforms.interface import Platform
 class CpuPlatform(Platform):
     name = "cpu"
 
-    def __init__(self, device: torch.device, prepack_weights: bool = True, gemv: bool = True) -> None:
+    def __init__(self, device: torch.device, prepack_weights: bool = True, gemv: bool = True,
+                 int8_activations: bool = False) -> None:
         super().__init__(device)
-        self.prepack_weights, self.gemv = prepack_weights, gemv
+        self.prepack_weights, self.gemv, self.int8_activations = prepack_weights, gemv, int8_activations
         self._linear_methods: dict[torch.dtype, PackedLinearMethod | None] = {}
 
     def default_dtype(self) -> torch.dtype:
@@ -41,7 +42,7 @@ class CpuPlatform(Platform):
 
     def quantized_linear_method(self) -> QuantizedLinearMethod | None:
         kernel = kernels.quant_linear()
-        return None if kernel is None else QuantizedLinearMethod(kernel)
+        return None if kernel is None else QuantizedLinearMethod(kernel, self.int8_activations)
 
     def release_memory(self) -> None:
         """glibc keeps the heap that loading freed (numpy temporaries of the GGUF repacking: 223 MiB

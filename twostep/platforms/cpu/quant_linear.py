@@ -1,12 +1,19 @@
 """Quantized linears and embeddings on CPU, on twostep/kernels/quant_linear.cpp.
 
 A few rows (decode) take the kernel's matrix-vector product, which streams each packed weight
-block once against activations quantized per block to int16 (llama.cpp's int8 multiplies faster
-but is ~0.5% off, enough to flip a close top token) and writes its float32 sums in the
-activations' dtype. More rows (prefill, large decode batches) dequantize the weight a tile of rows
-at a time into the model's dtype and multiply with oneDNN / MKL, so prefill runs at the float
-matmul's rate plus the dequantisation, which those rows share. An embedding dequantizes only the
-rows it looks up.
+block once against activations quantized per block to int16 (the float product of the
+dequantized weights within float rounding) and writes its float32 sums in the activations' dtype.
+More rows (prefill, large decode batches) dequantize the weight a tile of rows at a time into the
+model's dtype and multiply with oneDNN / MKL, so prefill runs at the float matmul's rate plus the
+dequantisation, which those rows share. An embedding dequantizes only the rows it looks up.
+
+With int8 activations (--cpu-int8-activations, off by default), inputs of INT8_ROWS rows or more
+take the kernel's int8 product instead, for 4 to 6-bit codes: activations quantized per block of
+32 to int8 as llama.cpp quantizes them for its products. On an AVX2 EPYC it is 1.5-2x MKL's float32
+GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows, but its rounding (a step of
+max|x| / 127 per block) is noise enough to flip a close top token: the default SmolLM2 file's
+answer to "What is the capital of France?" starts "L'Étoile" with it (a 0.08-nat lead of "The"
+lost), "The capital of France is Paris." without.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from twostep import kernels
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
+INT8_ROWS = 8              # with int8 activations: from this many rows, the int8 product
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
@@ -25,9 +33,10 @@ class QuantizedLinearMethod:
     """A LinearMethod (layers/linear.py) for layers whose weight is a QuantizedWeight
     (layer.quantized); the layer keeps no float weight."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, int8_activations: bool = False) -> None:
         self.kernel = kernel
-        self.name = f"quantized ({kernel.path()} kernel)"
+        self.int8 = int8_activations and kernel.has_int8()
+        self.name = f"quantized ({kernel.path()} kernel{', int8 activations from 8 rows' if self.int8 else ''})"
 
     def process_weights(self, layer) -> None:
         layer.weight = None
@@ -37,7 +46,7 @@ class QuantizedLinearMethod:
         layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous():
+        if (layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.is_contiguous()):
             y = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
             self.kernel.gemv(x, *layer.gemv_args, y)          # batch-1 decode: the short way
         else:
@@ -47,21 +56,43 @@ class QuantizedLinearMethod:
         return y
 
     def fused(self, layer, kernel):
-        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns, as apply() and _gemv().
+        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns (quant_gemm_int8 from
+        INT8_ROWS with int8 activations), as apply() and matmul().
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
         if self.kernel is not kernels.quant_linear():
             return None
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part))
+            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if self.int8 else 0)
         return linear, GEMV_ROWS
+
+    @property
+    def gemv_rows(self) -> int:
+        """The most rows apply() hands straight to the matrix-vector product."""
+        return INT8_ROWS - 1 if self.int8 else GEMV_ROWS
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            return self._gemv(weight, x.contiguous())
-        return self._tiled(weight, x)
+        x = x.contiguous()
+        return self._int8(weight, x) if self.int8 and x.shape[0] >= INT8_ROWS else self._plain(weight, x)
+
+    def _int8(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """The int8 product for parts of 4 to 6-bit codes; 8-bit ones as without it."""
+        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
+        start = 0
+        for part in weight.parts:
+            columns = out[:, start:start + part.n]
+            if part.fmt.bits == 8:
+                columns.copy_(self._plain(QuantizedWeight((part,)), x))
+            else:
+                self.kernel.gemm_int8(x, *part.planes(), *_format_args(part), columns)
+            start += part.n
+        return out
+
+    def _plain(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Without int8 activations: passes of the matrix-vector product, or dequantized tiles."""
+        return self._gemv(weight, x) if x.shape[0] <= GEMV_MAX_ROWS else self._tiled(weight, x)
 
     def _gemv(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
