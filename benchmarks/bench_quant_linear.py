@@ -58,7 +58,9 @@ def main() -> None:
     print(f"{len(shapes)} linears of the Qwen2.5-0.5B shape; kernel path: {kernel.path()}")
     for name in args.formats:
         bits, group, has_min = FORMATS[name]
-        weights = [random_weight(n, k, PackedFormat(bits, group or k, has_min, name), rng) for n, k in shapes]
+        # in the layout the engine binds them in (the panel layout where it fits)
+        weights = [method.prepare(random_weight(n, k, PackedFormat(bits, group or k, has_min, name), rng))
+                   for n, k in shapes]
         nbytes = sum(w.nbytes for w in weights)
         flat = torch.ones(nbytes // 4)            # a plain read of as many bytes
         print(f"{name}: {nbytes / 1e6:.0f} MB packed ({8 * nbytes / sum(n * k for n, k in shapes):.2f} bits per weight)")

@@ -197,6 +197,94 @@ def test_load_time_formats(build, method, bits):
     torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
 
 
+PANEL_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K]
+PANEL_CASES = [(q, n, k) for q in PANEL_TYPES
+               for n, k in ((8, 256), (16, 512), (40, 18 * 32 if q != QType.Q4_K else 768), (24, 4864 // 256 * 256))]
+
+
+def panel_kernel():
+    kernel = kernel_builds()["simd"]
+    if not kernel.has_panels():
+        pytest.skip("the panel layout's product needs the kernel built with AVX2")
+    return kernel
+
+
+@pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
+def test_panel_layout_is_the_reference_layout(qtype, n, k):
+    """The kernel's pack_panels writes what packed.py's to_panels describes, and it reads back."""
+    method = QuantizedLinearMethod(panel_kernel())
+    rows = pack_gguf(random_blocks(qtype, n, k, seed=n * k), qtype, n, k)
+    panels = method.prepare(QuantizedWeight((rows,))).parts[0]
+    reference_panels = rows.to_panels()
+    assert panels.panels and panels.qs.shape == (n // 8, k // 32, rows.qs.shape[1] * 8 // (k // 32))
+    for got, want in zip(panels.planes(), reference_panels.planes()):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+    for got, want in zip(panels.row_layout().planes(), rows.planes()):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+    assert panels.nbytes == rows.nbytes
+    torch.testing.assert_close(panels.dequantize(), rows.dequantize(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="row layout"):
+        panels.rows(torch.arange(8))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 64])
+@pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
+def test_panel_layout_product(qtype, n, k, rows):
+    """Weights bound in the panel layout multiply as the row layout's within float rounding (up to
+    32 rows: passes of the panel product; more: dequantized tiles, bit for bit)."""
+    method = QuantizedLinearMethod(panel_kernel())
+    weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=5 * n + k), qtype, n, k),))
+    panels = method.prepare(weight)
+    assert panels.parts[0].panels
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * k))
+    expected = F.linear(x, weight.dequantize())
+    scale = expected.abs().max().item()
+    got = method.matmul(panels, x)
+    if rows > GEMV_MAX_ROWS:
+        assert torch.equal(got, method.matmul(weight, x))
+    torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * scale)
+    torch.testing.assert_close(got, method.matmul(weight, x), rtol=0, atol=GEMV_RTOL * scale)
+    if rows <= GEMV_MAX_ROWS:      # bf16 inputs: the float32 sums rounded once (tiles multiply in bf16)
+        half = x.bfloat16()
+        assert torch.equal(method.matmul(panels, half), method.matmul(panels, half.float()).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_layout_rows_are_dequantized(dtype):
+    """Embedding lookups and tiles read the panel layout: whole panels and single rows alike."""
+    method = QuantizedLinearMethod(panel_kernel())
+    for qtype in (QType.Q8_0, QType.Q4_1):
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 48, 96, seed=9), qtype, 48, 96),))
+        panels = method.prepare(weight)
+        for ids in (torch.arange(48), torch.tensor([[0, 47, 7], [7, 7, 3]]), torch.arange(8, 24), torch.arange(3, 19)):
+            torch.testing.assert_close(method.embed(panels, ids, dtype), method.embed(weight, ids, dtype),
+                                       rtol=0, atol=0)
+
+
+def test_panel_layout_with_int8_activations():
+    """The int8 product unpacks the panel layout to the same panels as the row layout: equal outputs."""
+    kernel = panel_kernel()
+    method = QuantizedLinearMethod(kernel, int8_activations=True)
+    for qtype in (QType.Q4_0, QType.Q4_K):
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 40, 512, seed=2), qtype, 40, 512),))
+        x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(method.matmul(method.prepare(weight), x), method.matmul(weight, x))
+
+
+def test_panel_layout_only_where_it_fits():
+    """5 and 6-bit codes, groups of 16 and row counts not a multiple of 8 keep the row layout; the
+    portable build (no panel product) keeps it for everything."""
+    method = QuantizedLinearMethod(panel_kernel())
+    for qtype, n in ((QType.Q6_K, 16), (QType.Q5_0, 16), (QType.Q4_0, 12)):
+        k = 256
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=1), qtype, n, k),))
+        assert not method.prepare(weight).parts[0].panels
+    portable = kernel_builds()["portable"]
+    assert not portable.has_panels()
+    weight = QuantizedWeight((pack_gguf(random_blocks(QType.Q4_0, 16, 256, seed=1), QType.Q4_0, 16, 256),))
+    assert not QuantizedLinearMethod(portable).prepare(weight).parts[0].panels
+
+
 def test_stacked_parts_of_different_formats():
     """A fused projection whose parts differ in format (a Q4_K_M file's Q6_K attn_v) runs part by part."""
     kernel = kernel_builds()["simd"]

@@ -79,7 +79,7 @@ class FusedLinear {
     Tensor y = at::empty({x.size(0), out_features_}, x.options());
     int64_t start = 0;
     for (const QuantPart& p : parts_) {
-      const int64_t n = p.qs.size(0);
+      const int64_t n = p.qs.dim() == 3 ? p.qs.size(0) * 8 : p.qs.size(0);   // the panel layout: [n / 8, ...]
       Tensor columns = parts_.size() == 1 ? y : y.narrow(1, start, n);
       const bool int8 = p.int8_rows > 0 && x.size(0) >= p.int8_rows;
       (int8 ? *quant_gemm_int8_ : *quant_gemv_).call(x, p.qs, p.qh, p.scales, p.mins, p.bits, p.group, p.zero,

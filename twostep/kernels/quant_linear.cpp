@@ -14,6 +14,13 @@
 //   noise to flip a close top token), a panel of 8 weight rows unpacked to bytes once for every
 //   row of x, u8 x s8 multiply-adds (vpmaddubsw). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on
 //   the dequantized weights at 512 rows, 2-3.5x gemv's passes at 8-64 rows.
+// The panel layout (the SIMD build's, for 4 and 8-bit codes with a scale per whole blocks, n a
+//   multiple of 8; pack_panels makes it from the row layout at load): kPanel = 8 weight rows stored
+//   together block by block, so a 1-8 row product gets eight output columns in the eight int32
+//   lanes of its vectors without a horizontal sum, and one vector of eight rows' scales per block.
+//   A panel's block is 16-byte chunks s; bytes 2j and 2j + 1 of a chunk belong to the panel's row j:
+//   bits 8: its codes 2s and 2s + 1; bits 4: codes 4s and 4s + 1 in the low nibbles, 4s + 2 and
+//   4s + 3 in the high ones. qs is [n / 8, blocks, 8 * block bytes], scales / mins [n / 8, groups, 8].
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
 //   matrix-matrix product hands to oneDNN / MKL).
 #include <torch/extension.h>
@@ -35,6 +42,7 @@
 namespace {
 
 constexpr int kBlock = 32;
+constexpr int kPanel = 8;      // rows of the panel layout; output columns of the int8 product's panels
 
 struct Planes {
   const uint8_t* qs;
@@ -48,10 +56,23 @@ struct Planes {
   int64_t qh_row() const { return bits == 5 ? k / 8 : bits == 6 ? k / 4 : 0; }
   int64_t groups_row() const { return k / group; }
   int bits;
+  bool panels = false;   // the panel layout (above); else row-major planes
+  // where row n's group g's scale (and min) is
+  int64_t scale_at(int64_t n, int64_t g) const {
+    return panels ? ((n / kPanel) * groups_row() + g) * kPanel + n % kPanel : n * groups_row() + g;
+  }
 };
 
 constexpr int qs_bytes(int bits) { return bits == 8 ? 32 : 16; }
 constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
+
+// Code i of the panel's row j in one of its blocks (bytes `block`), in the panel layout
+template <int BITS>
+inline int panel_code(const uint8_t* block, int j, int i) {
+  if constexpr (BITS == 8) return static_cast<int8_t>(block[16 * (i / 2) + 2 * j + i % 2]);
+  const uint8_t byte = block[16 * (i / 4) + 2 * j + i % 2];
+  return i % 4 < 2 ? byte & 0xF : byte >> 4;
+}
 
 // Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
 // for each half block of 16 (a group of 16 needs its own half).
@@ -355,9 +376,7 @@ void row_dot(const Planes& p, int64_t n, const QuantizedActivations& a, float* r
 
 // w = scale * code + offset for one block, 32 floats
 template <int BITS>
-inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, float o0, float d1, float o1,
-                             float* out) {
-  const __m256i w = decode_block<BITS>(qs, qh);
+inline void dequantize_codes(__m256i w, float d0, float o0, float d1, float o1, float* out) {
   const __m128i halves[2] = {_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)};
   for (int c = 0; c < 4; ++c) {
     const __m128i bytes = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
@@ -368,6 +387,116 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
     _mm256_storeu_ps(out + 8 * c, v);
   }
 }
+
+template <int BITS>
+inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, float o0, float d1, float o1,
+                             float* out) {
+  dequantize_codes<BITS>(decode_block<BITS>(qs, qh), d0, o0, d1, o1, out);
+}
+
+// ---- the panel layout's matrix-vector product (1-8 rows) ----
+
+// int16 pairs of a and b multiplied and added to acc's 8 int32 lanes
+inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
+// codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of
+// activations into int32 sums (A independent sums a row, for the multiply-add's latency); then one
+// conversion and one FMA per block a row with the eight rows' scales. The zero point enters once
+// per block through the activations' block sums, the mins once per group through the group sums.
+template <int BITS, int M>
+inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations& a, int64_t m0,
+                      float result[][kPanel]) {
+  constexpr int A = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int kChunks = qs_bytes(BITS) * kPanel / 16;
+  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
+  const uint8_t* qs = p.qs + panel * nb * qs_bytes(BITS) * kPanel;
+  const at::Half* scales = p.scales + panel * groups * kPanel;
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  const bool centred = p.zero != 0;
+  const float* x32[M];            // the int16 codes read as pairs (one float-sized load a pair)
+  __m256 acc[M], zacc[M];
+  for (int m = 0; m < M; ++m) {
+    x32[m] = reinterpret_cast<const float*>(a.q.data() + (m0 + m) * k);
+    acc[m] = _mm256_setzero_ps();
+    zacc[m] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = qs + b * qs_bytes(BITS) * kPanel;
+    __m256i sums[M][A];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
+    for (int c = 0; c < kChunks; ++c) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
+      if constexpr (BITS == 8) {
+        const __m256i w = _mm256_cvtepi8_epi16(raw);
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + c));
+          sums[m][c % A] = dot16(sums[m][c % A], w, x);
+        }
+      } else {
+        const __m256i v = _mm256_cvtepu8_epi16(raw);
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
+        for (int m = 0; m < M; ++m) {
+          const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
+          const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c + 1));
+          sums[m][(2 * c) % A] = dot16(sums[m][(2 * c) % A], lo, x0);
+          sums[m][(2 * c + 1) % A] = dot16(sums[m][(2 * c + 1) % A], hi, x1);
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (b / per_group) * kPanel)));
+    for (int m = 0; m < M; ++m) {
+      __m256i total = sums[m][0];
+      for (int i = 1; i < A; ++i) total = _mm256_add_epi32(total, sums[m][i]);
+      const int64_t at = (m0 + m) * nb + b;
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[m]);
+      if (centred)
+        zacc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(a.half_sums[2 * at] + a.half_sums[2 * at + 1]), zacc[m]);
+    }
+  }
+  if (centred)
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), zacc[m], acc[m]);
+  if (p.mins) {
+    const at::Half* mins = p.mins + panel * groups * kPanel;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kPanel)));
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.group_sums[(m0 + m) * groups + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(result[m], acc[m]);
+}
+
+template <int BITS, typename out_t>
+void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
+  at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
+    float r[8][kPanel];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t m0 = 0; m0 < m; m0 += 4) {      // 5-8 rows: the panel twice, the second time from L1
+        switch (std::min<int64_t>(4, m - m0)) {
+          case 1: panel_dot<BITS, 1>(p, panel, a, m0, r + m0); break;
+          case 2: panel_dot<BITS, 2>(p, panel, a, m0, r + m0); break;
+          case 3: panel_dot<BITS, 3>(p, panel, a, m0, r + m0); break;
+          default: panel_dot<BITS, 4>(p, panel, a, m0, r + m0); break;
+        }
+      }
+      for (int64_t row = 0; row < m; ++row)
+        for (int j = 0; j < kPanel; ++j) out[row * stride + panel * kPanel + j] = static_cast<out_t>(r[row][j]);
+    }
+  });
+}
+
+constexpr bool kPanels = true;
 
 // ---- int8 matrix-matrix product (AVX2), for many rows: prefill and large decode batches ----
 //
@@ -431,7 +560,6 @@ Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_
   return a;
 }
 
-constexpr int kPanel = 8;                    // output columns per panel (the eight int32 lanes)
 constexpr int64_t kPanelBytes = 32 * kPanel;  // a block of a panel's codes
 
 // out[s] = the s-th dword of each of c[0..7] (an 8 x 8 transpose of 32-bit elements)
@@ -453,6 +581,43 @@ inline void transpose8(const __m256i c[8], __m256i out[8]) {
   }
 }
 
+// A block of the panel layout as the int8 product's panel: c[s]'s lane j = codes 4s .. 4s + 3 of
+// the panel's row j, as bytes (4-bit: unsigned; 8-bit: signed)
+template <int BITS>
+inline void panel_quads(const uint8_t* block, __m256i c[8]) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int s = 0; s < 8; ++s) {
+    __m128i first, second;        // row j's codes 4s, 4s + 1 at 16-bit unit j, and 4s + 2, 4s + 3
+    if constexpr (BITS == 8) {
+      first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s));
+      second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s + 16));
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * s));
+      first = _mm_and_si128(v, nibble);
+      second = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    }
+    c[s] = _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
+  }
+}
+
+// The 8 rows of a panel's block as floats, row j at out + j * stride: scale * code + offset
+template <int BITS, typename scalar_t>
+inline void dequantize_panel_block(const uint8_t* block, const float* d, const float* o, scalar_t* out,
+                                   int64_t stride) {
+  __m256i c[kPanel], rows[kPanel];
+  panel_quads<BITS>(block, c);
+  transpose8(c, rows);
+  float buffer[kBlock];
+  for (int j = 0; j < kPanel; ++j) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      dequantize_codes<BITS>(rows[j], d[j], o[j], d[j], o[j], out + j * stride);
+    } else {
+      dequantize_codes<BITS>(rows[j], d[j], o[j], d[j], o[j], buffer);
+      for (int i = 0; i < kBlock; ++i) out[j * stride + i] = static_cast<scalar_t>(buffer[i]);
+    }
+  }
+}
+
 // A panel of 8 weight rows (output columns) n0.. as bytes, block by block: block b's bytes
 // 32 s + 4 j .. +3 are codes 4 s .. 4 s + 3 of column j; its scales and offsets (min - zero *
 // scale) per group, 8 floats each. Columns past n are zeros.
@@ -460,7 +625,12 @@ template <int BITS>
 void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float* scales, float* offsets) {
   const int64_t nb = p.k / kBlock, groups = p.groups_row();
   const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; p.panels && b < nb; ++b) {       // the panel layout: its chunks, interleaved
+    __m256i c[kPanel];
+    panel_quads<BITS>(p.qs + ((n0 / kPanel) * nb + b) * qs_bytes(BITS) * kPanel, c);
+    for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kPanelBytes + 32 * s), c[s]);
+  }
+  for (int64_t b = 0; !p.panels && b < nb; ++b) {
     __m256i c[kPanel], t[kPanel];
     for (int j = 0; j < kPanel; ++j) {
       if (j < cols) {
@@ -476,7 +646,7 @@ void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float*
   }
   for (int64_t g = 0; g < groups; ++g) {
     for (int j = 0; j < kPanel; ++j) {
-      const int64_t at = (n0 + j) * groups + g;
+      const int64_t at = p.scale_at(n0 + j, g);
       const float d = j < cols ? fp16(p.scales, at) : 0.f;
       scales[g * kPanel + j] = d;
       offsets[g * kPanel + j] = j < cols ? (p.mins ? fp16(p.mins, at) : 0.f) - p.zero * d : 0.f;
@@ -656,9 +826,13 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 
 const char* kPath = "scalar";
 constexpr bool kInt8 = false;     // no int8 product in plain C++
+constexpr bool kPanels = false;   // nor the panel layout's matrix-vector product
 
 
 #endif
+
+// weight rows: qs is [n, bytes] in the row layout, [n / 8, blocks, bytes] in the panel layout
+int64_t rows_of(const at::Tensor& qs) { return qs.dim() == 3 ? qs.size(0) * kPanel : qs.size(0); }
 
 Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, int64_t k) {
@@ -667,9 +841,17 @@ Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, cons
   TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "bad planes");
   TORCH_CHECK((bits == 5 || bits == 6) == (qh.has_value() && qh->defined()), "qh plane mismatch");
   // the planes must hold what k and the format say, so no read goes past them
-  const int64_t n = qs.size(0), groups = k / group;
-  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == (bits == 8 ? k : k / 2), "qs: [n, ", bits == 8 ? k : k / 2,
-              "] bytes for k = ", k);
+  const bool panels = qs.dim() == 3;
+  const int64_t n = rows_of(qs), groups = k / group;
+  if (panels) {
+    TORCH_CHECK((bits == 4 || bits == 8) && group % kBlock == 0, "the panel layout takes 4 and 8-bit codes "
+                "with a scale per whole blocks");
+    TORCH_CHECK(qs.size(1) == k / kBlock && qs.size(2) == qs_bytes(bits) * kPanel, "qs: [n / 8, ", k / kBlock,
+                ", ", qs_bytes(bits) * kPanel, "] bytes for k = ", k, " in the panel layout");
+  } else {
+    TORCH_CHECK(qs.dim() == 2 && qs.size(1) == (bits == 8 ? k : k / 2), "qs: [n, ", bits == 8 ? k : k / 2,
+                "] bytes for k = ", k);
+  }
   TORCH_CHECK(scales.numel() == n * groups, "scales: one per group of ", group, " weights");
   TORCH_CHECK(!(mins.has_value() && mins->defined()) ||
               (mins->is_contiguous() && mins->scalar_type() == at::kHalf && mins->numel() == n * groups),
@@ -680,7 +862,7 @@ Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, cons
            qh.has_value() && qh->defined() ? qh->data_ptr<uint8_t>() : nullptr,
            scales.data_ptr<at::Half>(),
            mins.has_value() && mins->defined() ? mins->data_ptr<at::Half>() : nullptr,
-           k, static_cast<int>(group), static_cast<int>(zero), static_cast<int>(bits)};
+           k, static_cast<int>(group), static_cast<int>(zero), static_cast<int>(bits), panels};
   return p;
 }
 
@@ -721,9 +903,11 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
               "out must be [M, n], float32 or x's dtype");
-  const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
+  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
   TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
+  TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
+  TORCH_CHECK(m <= 8, "gemv takes 1 to 8 rows");
   QuantizedActivations a;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_activations", [&] {
     a = quantize_activations<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0));
@@ -731,6 +915,9 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   if (p.mins) sum_groups(a, m, k, group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemv_out", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
+#ifdef TWOSTEP_AVX2
+    if (p.panels) return bits == 4 ? gemv_panels<4>(p, n, m, a, o, out.stride(0)) : gemv_panels<8>(p, n, m, a, o, out.stride(0));
+#endif
     switch (bits) {
       case 4: return gemv_bits<4>(p, n, m, a, o, out.stride(0));
       case 5: return gemv_bits<5>(p, n, m, a, o, out.stride(0));
@@ -750,7 +937,7 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
   TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
               "out must be [M, n], float32 or x's dtype");
   TORCH_CHECK(bits != 8, "the int8 product takes 4 to 6-bit codes (8-bit ones: quant_gemv or tiles)");
-  const int64_t k = x.size(1), n = qs.size(0), m = x.size(0);
+  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
   TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
 #ifdef TWOSTEP_AVX2
@@ -767,8 +954,51 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
 #endif
 }
 
+// Rows of the panel layout: a whole panel asked in order (a tile of consecutive rows) decoded
+// eight rows a block at once where the build has vectors, any other row code by code
+template <int BITS, typename scalar_t>
+void dequantize_panels_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
+  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
+  const int64_t block_bytes = qs_bytes(BITS) * kPanel;
+  at::parallel_for(0, count, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end;) {
+      const int64_t n = ids[r], panel = n / kPanel;
+      const uint8_t* qs = p.qs + panel * nb * block_bytes;
+#ifdef TWOSTEP_AVX2
+      bool whole = n % kPanel == 0 && r + kPanel <= end;
+      for (int j = 1; whole && j < kPanel; ++j) whole = ids[r + j] == n + j;
+      if (whole) {
+        for (int64_t g = 0; g < groups; ++g) {
+          float d[kPanel], o[kPanel];
+          for (int j = 0; j < kPanel; ++j) {
+            d[j] = half_to_float(p.scales[p.scale_at(n + j, g)]);
+            o[j] = (p.mins ? half_to_float(p.mins[p.scale_at(n + j, g)]) : 0.f) - p.zero * d[j];
+          }
+          for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b)
+            dequantize_panel_block<BITS>(qs + b * block_bytes, d, o, out + r * k + b * kBlock, k);
+        }
+        r += kPanel;
+        continue;
+      }
+#endif
+      const int j = static_cast<int>(n % kPanel);
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g = (b * kBlock) / p.group;
+        const float d = half_to_float(p.scales[p.scale_at(n, g)]);
+        const float o = (p.mins ? half_to_float(p.mins[p.scale_at(n, g)]) : 0.f) - p.zero * d;
+        for (int i = 0; i < kBlock; ++i)
+          out[r * k + b * kBlock + i] = static_cast<scalar_t>(d * panel_code<BITS>(qs + b * block_bytes, j, i) + o);
+      }
+      ++r;
+    }
+  });
+}
+
 template <int BITS, typename scalar_t>
 void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
+  if (p.panels) {
+    if constexpr (BITS == 4 || BITS == 8) return dequantize_panels_into<BITS>(p, ids, count, out);
+  }
   const int64_t k = p.k, nb = k / kBlock;
   at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
     float buffer[kBlock];
@@ -806,7 +1036,7 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
   TORCH_CHECK(out.size(0) == count, "out rows != ids");
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
   const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < qs.size(0), "row id out of range");
+  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < rows_of(qs), "row id out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     switch (bits) {
@@ -818,8 +1048,46 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
   });
 }
 
+// The panel layout of row-major planes (4 or 8-bit codes, a scale per whole blocks, n a multiple
+// of 8): (qs, scales, mins) as described at the top; quantization/packed.py's to_panels is the
+// reference this is tested against.
+std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                    int64_t bits, int64_t group, int64_t k) {
+  const Planes p = planes_of(qs, c10::nullopt, scales, mins, bits, group, 0, k);
+  const int64_t n = qs.size(0), nb = k / kBlock, groups = k / group, panels = n / kPanel;
+  TORCH_CHECK(!p.panels && (bits == 4 || bits == 8) && group % kBlock == 0 && n % kPanel == 0,
+              "the panel layout takes row-major 4 or 8-bit codes with a scale per whole blocks, rows a multiple of 8");
+  const int64_t block_bytes = qs_bytes(static_cast<int>(bits)) * kPanel;
+  at::Tensor out = at::empty({panels, nb, block_bytes}, qs.options());
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
+  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* block = dst + (panel * nb + b) * block_bytes;
+        for (int j = 0; j < kPanel; ++j) {
+          const uint8_t* src = p.qs + (panel * kPanel + j) * p.qs_row() + b * qs_bytes(static_cast<int>(bits));
+          for (int c = 0; c < block_bytes / 16; ++c) {
+            for (int u = 0; u < 2; ++u) {
+              if (bits == 8) {
+                block[16 * c + 2 * j + u] = src[2 * c + u];
+              } else {      // codes 4c + u (low nibble) and 4c + 2 + u (high); code i of the row: byte i % 16's
+                auto code = [&](int i) { return i < 16 ? src[i] & 0xF : src[i - 16] >> 4; };
+                block[16 * c + 2 * j + u] = static_cast<uint8_t>(code(4 * c + u) | (code(4 * c + 2 + u) << 4));
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  // [n, groups] -> [n / 8, groups, 8]
+  auto interleave = [&](const at::Tensor& t) { return t.reshape({panels, kPanel, groups}).transpose(1, 2).contiguous(); };
+  return {out, interleave(scales), mins.has_value() && mins->defined() ? interleave(*mins) : at::Tensor()};
+}
+
 std::string path() { return kPath; }
 bool has_int8() { return kInt8; }
+bool has_panels() { return kPanels; }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace.
@@ -860,6 +1128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "quantized matrix-vector product for 1-8 rows, int16 activations");
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
+  m.def("has_panels", &has_panels, "whether this build multiplies the panel layout");
+  m.def("pack_panels", &pack_panels, "row-major planes (4 or 8-bit codes) in the panel layout: qs, scales, mins");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
   m.def("path", &path, "the instruction set this build uses");
 }

@@ -1,6 +1,7 @@
 """Bind a loaded model's layers to its platform, once: each Linear gets the platform's linear
 method for the model's dtype (if it has one), a quantized Linear or Embedding the platform's
-quantized method (or, without one, its weight dequantized to the dtype), each CustomOp the
+quantized method with its weight in the layout the method prepares (or, without one, its weight
+dequantized to the dtype), each CustomOp the
 platform's implementation of its op (if any). What was switched on is returned for the start-up log."""
 from __future__ import annotations
 
@@ -56,7 +57,12 @@ def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) ->
             m.weight, m.quantized = dequantized[key], None
         return [f"{len(layers)} quantized weights dequantized to {dtype} (no {platform.name} kernel)"]
     formats: Counter[str] = Counter()
+    prepared: dict[int, tuple] = {}     # id -> (weight as loaded, as prepared); a tied head shares its table's
     for m in layers:
+        key = id(m.quantized)
+        if key not in prepared:
+            prepared[key] = (m.quantized, method.prepare(m.quantized))
+        m.quantized = prepared[key][1]
         formats.update(m.quantized.format_names)
         if isinstance(m, Linear):
             m.set_method(method)

@@ -17,6 +17,16 @@ The codes are stored in planes, each [n, ...] row-major, so a row's blocks strea
   Each is what one broadcast and one variable shift per 32 or 64-bit lane unpacks.
 * `scales`, `mins`: float16 [n, k / group].
 
+The panel layout (`to_panels`) is the same planes regrouped for the CPU kernel's matrix-vector
+product, which the CPU platform binds at load where it has that product (4 and 8-bit codes, a scale
+per whole blocks, n a multiple of PANEL): PANEL rows stored together, block by block, so the kernel
+reads eight rows' codes in one stream and gets their eight sums in the eight lanes of a vector.
+A panel's block is 16-byte chunks c; bytes 2j and 2j + 1 of a chunk belong to the panel's row j:
+bits 8: its codes 2c and 2c + 1; bits 4: codes 4c and 4c + 1 in the low nibbles, 4c + 2 and 4c + 3
+in the high ones. qs is [n / PANEL, k / 32, 16 * PANEL or 32 * PANEL] bytes, scales and mins
+[n / PANEL, k / group, PANEL]. codes() and dequantize() read either layout; loading, slicing and
+stacking take the row layout only.
+
 GGUF's types map onto it by a reordering of their bits (models/gguf_loader.py ->
 quantization/gguf_blocks.py); K-quants' 6 or 8-bit sub-block scales are multiplied out into one
 float16 per group, which rounds them to float16 (a relative 2**-11, far inside the codes' own step).
@@ -30,6 +40,7 @@ import numpy as np
 import torch
 
 BLOCK = 32
+PANEL = 8                 # rows of the panel layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +87,51 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.planes() if t is not None)
 
+    @property
+    def panels(self) -> bool:
+        """Whether the planes are in the panel layout (else row-major)."""
+        return self.qs.dim() == 3
+
+    def panel_layout_fits(self) -> bool:
+        return self.fmt.bits in (4, 8) and self.fmt.group % BLOCK == 0 and self.n % PANEL == 0
+
+    def to_panels(self) -> PackedWeight:
+        """The panel layout (the reference; the CPU kernel's pack_panels does it at load)."""
+        if self.panels or not self.panel_layout_fits():
+            raise ValueError(f"{self.fmt.name} [{self.n}, {self.k}]: no panel layout for it")
+        p, nb, codes = self.n // PANEL, self.k // BLOCK, self.codes().numpy().astype(np.uint8)
+        if self.fmt.bits == 8:       # [p, j, nb, c, u] -> [p, nb, c, j, u]: code 2c + u of row j
+            qs = codes.reshape(p, PANEL, nb, 16, 2).transpose(0, 2, 3, 1, 4)
+        else:                        # code 4c + 2h + u of row j: nibble h of byte (c, j, u)
+            c = codes.reshape(p, PANEL, nb, 8, 2, 2).transpose(0, 2, 3, 1, 4, 5)
+            qs = c[..., 0, :] | (c[..., 1, :] << 4)
+        interleave = lambda t: None if t is None else t.reshape(p, PANEL, -1).transpose(1, 2).contiguous()  # noqa: E731
+        qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(p, nb, -1)).view(self.qs.dtype)
+        return dataclasses.replace(self, qs=qs,
+                                   scales=interleave(self.scales), mins=interleave(self.mins))
+
+    def row_layout(self) -> PackedWeight:
+        """The row-major planes of a weight in either layout."""
+        if not self.panels:
+            return self
+        p, nb = self.n // PANEL, self.k // BLOCK
+        raw = self.qs.numpy().view(np.uint8)
+        if self.fmt.bits == 8:       # [p, nb, c, j, u] -> [p, j, nb, c, u]
+            codes = raw.reshape(p, nb, 16, PANEL, 2).transpose(0, 3, 1, 2, 4).reshape(self.n, self.k).view(np.int8)
+        else:
+            b = raw.reshape(p, nb, 8, PANEL, 1, 2)
+            codes = np.concatenate([b & 0xF, b >> 4], axis=4).transpose(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)
+        un = lambda t: None if t is None else t.transpose(1, 2).reshape(self.n, -1)  # noqa: E731
+        mins = un(self.mins)
+        return pack(np.ascontiguousarray(codes), un(self.scales).float().numpy(),
+                    None if mins is None else mins.float().numpy(), self.fmt)
+
     def planes(self) -> tuple[torch.Tensor | None, ...]:
         return (self.qs, self.qh, self.scales, self.mins)
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """Rows `index` (a row permutation or a gather), as a new matrix."""
+        self._row_layout_only("row selection")
         picked = [None if t is None else t.index_select(0, index).contiguous() for t in self.planes()]
         return dataclasses.replace(self, n=int(index.numel()), qs=picked[0], qh=picked[1],
                                    scales=picked[2], mins=picked[3])
@@ -88,6 +139,7 @@ class PackedWeight:
     def columns(self, start: int, end: int) -> PackedWeight:
         """Weights start..end of every row (a tensor-parallel rank's input slice), at whole blocks
         and whole groups; a scale per row (int8's) stays the row's scale."""
+        self._row_layout_only("column slicing")
         per_row = self.fmt.group == self.k
         for edge in (start, end):
             if edge % BLOCK or (edge % self.fmt.group and not per_row):
@@ -105,8 +157,14 @@ class PackedWeight:
         return dataclasses.replace(self, fmt=fmt, k=end - start, qs=cut(self.qs), qh=cut(self.qh),
                                    scales=scales, mins=mins)
 
+    def _row_layout_only(self, what: str) -> None:
+        if self.panels:
+            raise ValueError(f"{what} takes the row layout (this {self.fmt.name} weight is in panels)")
+
     def codes(self) -> torch.Tensor:
         """The integer codes [n, k] (int16), unpacked from the planes."""
+        if self.panels:
+            return self.row_layout().codes()
         bits, n, k = self.fmt.bits, self.n, self.k
         if bits == 8:
             return self.qs.to(torch.int16)
@@ -124,6 +182,8 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reference: scale * (q - zero) + min in float32, then cast."""
+        if self.panels:
+            return self.row_layout().dequantize(dtype)
         group = self.fmt.group
         codes = (self.codes().float() - self.fmt.zero).view(self.n, self.k // group, group)
         w = codes * self.scales.float().unsqueeze(-1)
@@ -176,6 +236,8 @@ def _half(values: np.ndarray, n: int, groups: int) -> torch.Tensor:
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Matrices of one format stacked along n (fused q/k/v, gate/up)."""
     first = parts[0]
+    for part in parts:
+        part._row_layout_only("stacking")
     planes = [None if p is None else torch.cat([part.planes()[i] for part in parts])
               for i, p in enumerate(first.planes())]
     return dataclasses.replace(first, n=sum(p.n for p in parts), qs=planes[0], qh=planes[1],

@@ -3,6 +3,9 @@
 A few rows (decode) take the kernel's matrix-vector product, which streams each packed weight
 block once against activations quantized per block to int16 (the float product of the
 dequantized weights within float rounding) and writes its float32 sums in the activations' dtype.
+Where the kernel has it (the SIMD builds), 4 and 8-bit weights with a scale per whole blocks are
+bound in the panel layout (quantization/packed.py): eight rows interleaved, so the product gets
+eight output columns per vector without horizontal sums; the row layout's bytes are dropped.
 More rows (prefill, large decode batches) dequantize the weight a tile of rows at a time into the
 model's dtype and multiply with oneDNN / MKL, so prefill runs at the float matmul's rate plus the
 dequantisation, which those rows share. An embedding dequantizes only the rows it looks up.
@@ -16,6 +19,8 @@ answer to "What is the capital of France?" starts "L'Étoile" with it (a 0.08-na
 lost), "The capital of France is Paris." without.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,16 @@ class QuantizedLinearMethod:
         self.kernel = kernel
         self.int8 = int8_activations and kernel.has_int8()
         self.name = f"quantized ({kernel.path()} kernel{', int8 activations from 8 rows' if self.int8 else ''})"
+
+    def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The layout this kernel multiplies fastest: the panel layout for the parts it fits."""
+        if not self.kernel.has_panels():
+            return weight
+        return QuantizedWeight(tuple(self._panels(p) if p.panel_layout_fits() else p for p in weight.parts))
+
+    def _panels(self, part: PackedWeight) -> PackedWeight:
+        qs, scales, mins = self.kernel.pack_panels(part.qs, part.scales, part.mins, *_format_args(part)[:2], part.k)
+        return dataclasses.replace(part, qs=qs, scales=scales, mins=mins if part.mins is not None else None)
 
     def process_weights(self, layer) -> None:
         layer.weight = None
@@ -108,7 +123,7 @@ class QuantizedLinearMethod:
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
         start = 0
         for part in weight.parts:
-            rows = max(16, TILE_BYTES // (part.k * x.element_size()))
+            rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
             for first in range(0, part.n, rows):
                 ids = torch.arange(first, min(first + rows, part.n))
                 tile = self.dequantize(part, ids, x.dtype)
