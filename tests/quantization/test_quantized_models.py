@@ -123,6 +123,22 @@ def test_q8_0_file_from_the_same_weights(smollm2, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_default_file_is_bound_in_the_panel_layout(smollm2):
+    """Where the kernel multiplies the panel layout, every Q4_1 linear and the Q8_0 table it ties the
+    head to are bound in it (one table for both), and a decode step runs the panel product."""
+    from twostep import kernels
+
+    if kernels.quant_linear() is None or not kernels.quant_linear().has_panels():
+        pytest.skip("the panel layout's product needs the kernel built with AVX2")
+    engine = LLMEngine(EngineConfig(model=smollm2, dtype="float32", kv_cache_memory="64MiB"))
+    model = engine.model
+    layers = [m for m in model.modules() if isinstance(m, (Linear, Embedding)) and m.quantized is not None]
+    assert len(layers) == 30 * 4 + 2 and all(p.panels for m in layers for p in m.quantized.parts)
+    assert model.lm_head.quantized is model.model.embed_tokens.quantized
+    bits = 8 * weight_bytes(model) / sum(m.quantized.n * m.quantized.k for m in layers if m is not model.lm_head)
+    assert 5 < bits < 6      # the panels counted, once (5.74 bits; the row layout took the same bytes)
+
+
 def test_int8_activations_end_to_end(smollm2):
     """--cpu-int8-activations: a prompt's rows go through the int8 product (llama.cpp's precision),
     and the top tokens still agree with the file dequantized at >= 95% of teacher-forced positions
