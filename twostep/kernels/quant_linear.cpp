@@ -1066,16 +1066,18 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const at::Tensor& scal
         uint8_t* block = dst + (panel * nb + b) * block_bytes;
         for (int j = 0; j < kPanel; ++j) {
           const uint8_t* src = p.qs + (panel * kPanel + j) * p.qs_row() + b * qs_bytes(static_cast<int>(bits));
-          for (int c = 0; c < block_bytes / 16; ++c) {
-            for (int u = 0; u < 2; ++u) {
-              if (bits == 8) {
-                block[16 * c + 2 * j + u] = src[2 * c + u];
-              } else {      // codes 4c + u (low nibble) and 4c + 2 + u (high); code i of the row: byte i % 16's
-                auto code = [&](int i) { return i < 16 ? src[i] & 0xF : src[i - 16] >> 4; };
-                block[16 * c + 2 * j + u] = static_cast<uint8_t>(code(4 * c + u) | (code(4 * c + 2 + u) << 4));
-              }
-            }
+          if (bits == 8) {          // codes 2c, 2c + 1: two bytes as they are
+            for (int c = 0; c < 16; ++c) std::memcpy(block + 16 * c + 2 * j, src + 2 * c, 2);
+            continue;
           }
+          uint8_t code[kBlock];     // code i of the row: the low nibble of byte i, or the high one of i - 16
+          for (int i = 0; i < 16; ++i) {
+            code[i] = src[i] & 0xF;
+            code[i + 16] = src[i] >> 4;
+          }
+          for (int c = 0; c < 8; ++c)       // codes 4c + u in the low nibbles, 4c + 2 + u in the high ones
+            for (int u = 0; u < 2; ++u)
+              block[16 * c + 2 * j + u] = static_cast<uint8_t>(code[4 * c + u] | (code[4 * c + 2 + u] << 4));
         }
       }
     }
