@@ -312,8 +312,8 @@ def test_kernel_paths_are_named():
         elif {"avx512_vnni", "avx512vl"} <= flags:
             expected = "avx512-vnni"
         assert builds["simd"].path() == expected
-        assert builds["simd"].has_int8()
-    assert not builds["portable"].has_int8()
+        assert builds["simd"].has_int8() and builds["simd"].has_panels()
+    assert not builds["portable"].has_int8() and not builds["portable"].has_panels()
 
 
 @pytest.mark.parametrize("qtype,bits", [(QType.Q4_0, 4.5), (QType.Q8_0, 8.5), (QType.Q4_1, 5.0),
