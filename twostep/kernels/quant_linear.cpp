@@ -102,11 +102,14 @@ inline __m256 load8(const at::BFloat16* x) {   // bf16 is float32's upper half
 inline __m256 load8(const at::Half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
+inline __m256 load8(const double* x) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(x + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(x)));
+}
 
+// A block's 32 activations as float32 into v, and the largest magnitude among them
 template <typename scalar_t>
-inline void quantize_block(const scalar_t* xb, int16_t* q, float& d, int sums[2]) {
+inline float load_block(const scalar_t* xb, __m256 v[4]) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     v[i] = load8(xb + 8 * i);
@@ -115,7 +118,13 @@ inline void quantize_block(const scalar_t* xb, int16_t* q, float& d, int sums[2]
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  d = _mm_cvtss_f32(m) / 32767.f;
+  return _mm_cvtss_f32(m);
+}
+
+template <typename scalar_t>
+inline void quantize_block(const scalar_t* xb, int16_t* q, float& d, int sums[2]) {
+  __m256 v[4];
+  d = load_block(xb, v) / 32767.f;
   const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
@@ -511,9 +520,6 @@ struct Int8Activations {
   std::vector<float> group_sums;  // [m, k / group]: sum over the group's blocks of scale * (sum of codes)
 };
 
-inline __m256 load8(const double* x) {
-  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(x + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(x)));
-}
 
 template <typename scalar_t>
 Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group) {
@@ -521,23 +527,13 @@ Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_
   Int8Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
                     std::vector<float>(rows * groups, 0.f)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
     const __m256i ones16 = _mm256_set1_epi16(1);
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
-        const scalar_t* xb = x + m * stride + b * kBlock;
         __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = load8(xb + 8 * i);
-          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-        mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
-        const float d = _mm_cvtss_f32(mx) / 127.f;
+        const float d = load_block(x + m * stride + b * kBlock, v) / 127.f;
         const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
         __m256i i32[4];
         for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
