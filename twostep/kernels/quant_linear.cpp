@@ -946,6 +946,7 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
     gemm_int8_panels<scalar_t>(p, n, m, a, out.data_ptr<scalar_t>(), out.stride(0));
   });
 #else
+  (void)m, (void)p;      // checked above, multiplied only with AVX2
   TORCH_CHECK(false, "this build has no int8 product (it needs AVX2)");
 #endif
 }
@@ -954,7 +955,7 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
 // eight rows a block at once where the build has vectors, any other row code by code
 template <int BITS, typename scalar_t>
 void dequantize_panels_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
-  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
+  const int64_t k = p.k, nb = k / kBlock;
   const int64_t block_bytes = qs_bytes(BITS) * kPanel;
   at::parallel_for(0, count, kPanel, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end;) {
@@ -964,6 +965,7 @@ void dequantize_panels_into(const Planes& p, const int64_t* ids, int64_t count, 
       bool whole = n % kPanel == 0 && r + kPanel <= end;
       for (int j = 1; whole && j < kPanel; ++j) whole = ids[r + j] == n + j;
       if (whole) {
+        const int64_t groups = p.groups_row(), per_group = p.group / kBlock;
         for (int64_t g = 0; g < groups; ++g) {
           float d[kPanel], o[kPanel];
           for (int j = 0; j < kPanel; ++j) {
