@@ -214,16 +214,19 @@ inline __m256i decode_block(const uint8_t* qs, const uint8_t* qh) {
   }
 }
 
-// int16 pairs -> 8 int32 lanes, lane l = a[2l] b[2l] + a[2l+1] b[2l+1]
-inline __m256i madd16(__m256i a, __m256i b) {
+// int16 pairs of a and b multiplied and added to acc's 8 int32 lanes
+inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), a, b);
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(_mm256_setzero_si256(), a, b);
+  return _mm256_dpwssd_epi32(acc, a, b);
 #else
-  return _mm256_madd_epi16(a, b);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
+
+// int16 pairs -> 8 int32 lanes, lane l = a[2l] b[2l] + a[2l+1] b[2l+1]
+inline __m256i madd16(__m256i a, __m256i b) { return dot16(_mm256_setzero_si256(), a, b); }
 
 // A block's 32 codes as two vectors of 16 int16 (weights 0-15, 16-31).
 template <int BITS>
@@ -404,17 +407,6 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 }
 
 // ---- the panel layout's matrix-vector product (1-8 rows) ----
-
-// int16 pairs of a and b multiplied and added to acc's 8 int32 lanes
-inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 
 // activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
 // codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of

@@ -50,8 +50,9 @@ class QuantizedLinearMethod:
         return QuantizedWeight(tuple(self._panels(p) if p.panel_layout_fits() else p for p in weight.parts))
 
     def _panels(self, part: PackedWeight) -> PackedWeight:
-        qs, scales, mins = self.kernel.pack_panels(part.qs, part.scales, part.mins, *_format_args(part)[:2], part.k)
-        return dataclasses.replace(part, qs=qs, scales=scales, mins=mins if part.mins is not None else None)
+        qs, scales, mins = self.kernel.pack_panels(part.qs, part.scales, part.mins, part.fmt.bits, part.fmt.group,
+                                                   part.k)
+        return dataclasses.replace(part, qs=qs, scales=scales, mins=mins)
 
     def process_weights(self, layer) -> None:
         layer.weight = None
@@ -61,7 +62,7 @@ class QuantizedLinearMethod:
         layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if (layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.is_contiguous()):
+        if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.is_contiguous():
             y = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
             self.kernel.gemv(x, *layer.gemv_args, y)          # batch-1 decode: the short way
         else:
