@@ -197,9 +197,10 @@ def test_load_time_formats(build, method, bits):
     torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
 
 
-PANEL_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K]
+PANEL_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 PANEL_CASES = [(q, n, k) for q in PANEL_TYPES
-               for n, k in ((8, 256), (16, 512), (40, 18 * 32 if q != QType.Q4_K else 768), (24, 4864 // 256 * 256))]
+               for n, k in ((8, 256), (16, 512), (40, 18 * 32 if q not in K_QUANTS else 768), (24, 4864 // 256 * 256))]
 
 
 def panel_kernel():
@@ -216,7 +217,8 @@ def test_panel_layout_is_the_reference_layout(qtype, n, k):
     rows = pack_gguf(random_blocks(qtype, n, k, seed=n * k), qtype, n, k)
     panels = method.prepare(QuantizedWeight((rows,))).parts[0]
     reference_panels = rows.to_panels()
-    assert panels.panels and panels.qs.shape == (n // 8, k // 32, rows.qs.shape[1] * 8 // (k // 32))
+    row_bytes = rows.qs.shape[1] + (0 if rows.qh is None else rows.qh.shape[1])     # codes and high bits
+    assert panels.panels and panels.qh is None and panels.qs.shape == (n // 8, k // 32, row_bytes * 8 // (k // 32))
     for got, want in zip(panels.planes(), reference_panels.planes()):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
     for got, want in zip(panels.row_layout().planes(), rows.planes()):
@@ -253,8 +255,8 @@ def test_panel_layout_product(qtype, n, k, rows):
 def test_panel_layout_rows_are_dequantized(dtype):
     """Embedding lookups and tiles read the panel layout: whole panels and single rows alike."""
     method = QuantizedLinearMethod(panel_kernel())
-    for qtype in (QType.Q8_0, QType.Q4_1):
-        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 48, 96, seed=9), qtype, 48, 96),))
+    for qtype, k in ((QType.Q8_0, 96), (QType.Q4_1, 96), (QType.Q5_0, 96), (QType.Q6_K, 256), (QType.Q5_K, 256)):
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 48, k, seed=9), qtype, 48, k),))
         panels = method.prepare(weight)
         for ids in (torch.arange(48), torch.tensor([[0, 47, 7], [7, 7, 3]]), torch.arange(8, 24), torch.arange(3, 19)):
             torch.testing.assert_close(method.embed(panels, ids, dtype), method.embed(weight, ids, dtype),
@@ -265,17 +267,17 @@ def test_panel_layout_with_int8_activations():
     """The int8 product unpacks the panel layout to the same panels as the row layout: equal outputs."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel, int8_activations=True)
-    for qtype in (QType.Q4_0, QType.Q4_K):
+    for qtype in (QType.Q4_0, QType.Q4_K, QType.Q5_0, QType.Q5_K, QType.Q6_K):
         weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 40, 512, seed=2), qtype, 40, 512),))
         x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))
         assert torch.equal(method.matmul(method.prepare(weight), x), method.matmul(weight, x))
 
 
 def test_panel_layout_only_where_it_fits():
-    """5 and 6-bit codes, groups of 16 and row counts not a multiple of 8 keep the row layout; the
-    portable build (no panel product) keeps it for everything."""
+    """Row counts not a multiple of 8 keep the row layout; the portable build (no panel product)
+    keeps it for everything."""
     method = QuantizedLinearMethod(panel_kernel())
-    for qtype, n in ((QType.Q6_K, 16), (QType.Q5_0, 16), (QType.Q4_0, 12)):
+    for qtype, n in ((QType.Q6_K, 12), (QType.Q5_0, 20), (QType.Q4_0, 12)):
         k = 256
         weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=1), qtype, n, k),))
         assert not method.prepare(weight).parts[0].panels

@@ -14,13 +14,17 @@
 //   noise to flip a close top token), a panel of 8 weight rows unpacked to bytes once for every
 //   row of x, u8 x s8 multiply-adds (vpmaddubsw). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on
 //   the dequantized weights at 512 rows, 2-3.5x gemv's passes at 8-64 rows.
-// The panel layout (the SIMD build's, for 4 and 8-bit codes with a scale per whole blocks, n a
-//   multiple of 8; pack_panels makes it from the row layout at load): kPanel = 8 weight rows stored
-//   together block by block, so a 1-8 row product gets eight output columns in the eight int32
-//   lanes of its vectors without a horizontal sum, and one vector of eight rows' scales per block.
-//   A panel's block is 16-byte chunks s; bytes 2j and 2j + 1 of a chunk belong to the panel's row j:
-//   bits 8: its codes 2s and 2s + 1; bits 4: codes 4s and 4s + 1 in the low nibbles, 4s + 2 and
-//   4s + 3 in the high ones. qs is [n / 8, blocks, 8 * block bytes], scales / mins [n / 8, groups, 8].
+// The panel layout (the SIMD build's, for every format with n a multiple of 8; pack_panels makes it
+//   from the row layout at load): kPanel = 8 weight rows stored together block by block, so a 1-8
+//   row product gets eight output columns in the eight int32 lanes of its vectors without a
+//   horizontal sum, and one vector of eight rows' scales per group.
+//   A panel's block starts with 16-byte chunks c; bytes 2j and 2j + 1 of a chunk belong to the
+//   panel's row j: bits 8: its codes 2c and 2c + 1; bits 4-6: the low nibbles of codes 4c and 4c + 1
+//   in the low nibbles, of 4c + 2 and 4c + 3 in the high ones. Bits 5 and 6 follow with each chunk's
+//   bits above the nibble, bits - 4 little-endian 32-bit words a chunk: word p's bit 2j + u is bit
+//   4 + p of row j's code 4c + u, its bit 16 + 2j + u that of code 4c + 2 + u (the lane order of the
+//   chunk's two int16 vectors, so a mask move sets them). qs is [n / 8, blocks, panel_block(bits)]
+//   bytes (no qh plane), scales / mins [n / 8, groups, 8].
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
 //   matrix-matrix product hands to oneDNN / MKL).
 #include <torch/extension.h>
@@ -65,13 +69,26 @@ struct Planes {
 
 constexpr int qs_bytes(int bits) { return bits == 8 ? 32 : 16; }
 constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
+// one block of the panel layout: the eight rows' chunks, then their high bits
+constexpr int panel_block(int bits) { return (qs_bytes(bits) + qh_bytes(bits)) * kPanel; }
+constexpr int kNibbleChunks = 16 * kPanel;   // where a 5 or 6-bit panel block's high bits start
 
 // Code i of the panel's row j in one of its blocks (bytes `block`), in the panel layout
 template <int BITS>
 inline int panel_code(const uint8_t* block, int j, int i) {
-  if constexpr (BITS == 8) return static_cast<int8_t>(block[16 * (i / 2) + 2 * j + i % 2]);
-  const uint8_t byte = block[16 * (i / 4) + 2 * j + i % 2];
-  return i % 4 < 2 ? byte & 0xF : byte >> 4;
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(block[16 * (i / 2) + 2 * j + i % 2]);
+  } else {
+    const uint8_t byte = block[16 * (i / 4) + 2 * j + i % 2];
+    int code = i % 4 < 2 ? byte & 0xF : byte >> 4;
+    const int bit = (i % 4 < 2 ? 0 : 16) + 2 * j + i % 2;
+    for (int p = 0; p < BITS - 4; ++p) {
+      uint32_t word;
+      std::memcpy(&word, block + kNibbleChunks + 4 * ((BITS - 4) * (i / 4) + p), 4);
+      code |= static_cast<int>((word >> bit) & 1) << (4 + p);
+    }
+    return code;
+  }
 }
 
 // Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
@@ -408,18 +425,41 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 
 // ---- the panel layout's matrix-vector product (1-8 rows) ----
 
+// A 5 or 6-bit chunk's high bits (its BITS - 4 words at `words`) added to its two vectors of 16
+// int16 codes: lo holds codes 4c and 4c + 1 of each row, hi 4c + 2 and 4c + 3, in the words' order
+template <int BITS>
+inline void add_high_bits(const uint8_t* words, __m256i& lo, __m256i& hi) {
+  for (int p = 0; p < BITS - 4; ++p) {
+    uint32_t w;
+    std::memcpy(&w, words + 4 * p, 4);
+    const __m256i value = _mm256_set1_epi16(static_cast<int16_t>(16 << p));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    lo = _mm256_mask_add_epi16(lo, static_cast<__mmask16>(w), lo, value);
+    hi = _mm256_mask_add_epi16(hi, static_cast<__mmask16>(w >> 16), hi, value);
+#else
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          static_cast<int16_t>(0x8000));
+    const __m256i set_lo = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(w)), bit), bit);
+    const __m256i set_hi = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(w >> 16)), bit), bit);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(set_lo, value));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(set_hi, value));
+#endif
+  }
+}
+
 // activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
 // codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of
 // activations into int32 sums (A independent sums a row, for the multiply-add's latency); then one
-// conversion and one FMA per block a row with the eight rows' scales. The zero point enters once
-// per block through the activations' block sums, the mins once per group through the group sums.
-template <int BITS, int M>
+// conversion and one FMA per group in the block (G16: two) a row with the eight rows' scales. The
+// zero point enters through the activations' half-block sums, the mins once per group through the
+// group sums.
+template <int BITS, int M, bool G16>
 inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations& a, int64_t m0,
                       float result[][kPanel]) {
   constexpr int A = M == 1 ? 4 : M == 2 ? 2 : 1;
-  constexpr int kChunks = qs_bytes(BITS) * kPanel / 16;
+  constexpr int kChunks = qs_bytes(BITS) * kPanel / 16, kHalves = G16 ? 2 : 1;
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
-  const uint8_t* qs = p.qs + panel * nb * qs_bytes(BITS) * kPanel;
+  const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
   const at::Half* scales = p.scales + panel * groups * kPanel;
   const __m256i nibble = _mm256_set1_epi16(0x0F);
   const bool centred = p.zero != 0;
@@ -427,42 +467,48 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
   __m256 acc[M], zacc[M];
   for (int m = 0; m < M; ++m) {
     x32[m] = reinterpret_cast<const float*>(a.q.data() + (m0 + m) * k);
-    acc[m] = _mm256_setzero_ps();
-    zacc[m] = _mm256_setzero_ps();
+    acc[m] = zacc[m] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = qs + b * qs_bytes(BITS) * kPanel;
-    __m256i sums[M][A];
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
-    for (int c = 0; c < kChunks; ++c) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
-      if constexpr (BITS == 8) {
-        const __m256i w = _mm256_cvtepi8_epi16(raw);
-        for (int m = 0; m < M; ++m) {
-          const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + c));
-          sums[m][c % A] = dot16(sums[m][c % A], w, x);
-        }
-      } else {
-        const __m256i v = _mm256_cvtepu8_epi16(raw);
-        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
-        for (int m = 0; m < M; ++m) {
-          const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
-          const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c + 1));
-          sums[m][(2 * c) % A] = dot16(sums[m][(2 * c) % A], lo, x0);
-          sums[m][(2 * c + 1) % A] = dot16(sums[m][(2 * c + 1) % A], hi, x1);
+    const uint8_t* block = qs + b * panel_block(BITS);
+    for (int h = 0; h < kHalves; ++h) {
+      __m256i sums[M][A];
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
+      // the half's chunks by a compile-time count, so the sums' indices are constants (registers)
+      for (int i = 0; i < kChunks / kHalves; ++i) {
+        const int c = h * (kChunks / kHalves) + i;
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
+        if constexpr (BITS == 8) {
+          const __m256i w = _mm256_cvtepi8_epi16(raw);
+          for (int m = 0; m < M; ++m) {
+            const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + c));
+            sums[m][i % A] = dot16(sums[m][i % A], w, x);
+          }
+        } else {
+          const __m256i v = _mm256_cvtepu8_epi16(raw);
+          __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
+          if constexpr (BITS > 4) add_high_bits<BITS>(block + kNibbleChunks + 4 * (BITS - 4) * c, lo, hi);
+          for (int m = 0; m < M; ++m) {
+            const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
+            const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c + 1));
+            sums[m][(2 * i) % A] = dot16(sums[m][(2 * i) % A], lo, x0);
+            sums[m][(2 * i + 1) % A] = dot16(sums[m][(2 * i + 1) % A], hi, x1);
+          }
         }
       }
-    }
-    const __m256 d = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (b / per_group) * kPanel)));
-    for (int m = 0; m < M; ++m) {
-      __m256i total = sums[m][0];
-      for (int i = 1; i < A; ++i) total = _mm256_add_epi32(total, sums[m][i]);
-      const int64_t at = (m0 + m) * nb + b;
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[m]);
-      if (centred)
-        zacc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(a.half_sums[2 * at] + a.half_sums[2 * at + 1]), zacc[m]);
+      const int64_t g = G16 ? 2 * b + h : b / per_group;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kPanel)));
+      for (int m = 0; m < M; ++m) {
+        __m256i total = sums[m][0];
+        for (int i = 1; i < A; ++i) total = _mm256_add_epi32(total, sums[m][i]);
+        const int64_t at = (m0 + m) * nb + b;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[m]);
+        if (centred) {
+          const float xsum = G16 ? a.half_sums[2 * at + h] : a.half_sums[2 * at] + a.half_sums[2 * at + 1];
+          zacc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(xsum), zacc[m]);
+        }
+      }
     }
   }
   if (centred)
@@ -478,23 +524,35 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(result[m], acc[m]);
 }
 
-template <int BITS, typename out_t>
+template <int BITS, bool G16, typename out_t>
 void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
     float r[8][kPanel];
     for (int64_t panel = begin; panel < end; ++panel) {
       for (int64_t m0 = 0; m0 < m; m0 += 4) {      // 5-8 rows: the panel twice, the second time from L1
         switch (std::min<int64_t>(4, m - m0)) {
-          case 1: panel_dot<BITS, 1>(p, panel, a, m0, r + m0); break;
-          case 2: panel_dot<BITS, 2>(p, panel, a, m0, r + m0); break;
-          case 3: panel_dot<BITS, 3>(p, panel, a, m0, r + m0); break;
-          default: panel_dot<BITS, 4>(p, panel, a, m0, r + m0); break;
+          case 1: panel_dot<BITS, 1, G16>(p, panel, a, m0, r + m0); break;
+          case 2: panel_dot<BITS, 2, G16>(p, panel, a, m0, r + m0); break;
+          case 3: panel_dot<BITS, 3, G16>(p, panel, a, m0, r + m0); break;
+          default: panel_dot<BITS, 4, G16>(p, panel, a, m0, r + m0); break;
         }
       }
       for (int64_t row = 0; row < m; ++row)
         for (int j = 0; j < kPanel; ++j) out[row * stride + panel * kPanel + j] = static_cast<out_t>(r[row][j]);
     }
   });
+}
+
+template <typename out_t>
+void gemv_panel_formats(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out,
+                        int64_t stride) {
+  const bool g16 = p.group == 16;
+  switch (p.bits) {
+    case 4: return g16 ? gemv_panels<4, true>(p, n, m, a, out, stride) : gemv_panels<4, false>(p, n, m, a, out, stride);
+    case 5: return g16 ? gemv_panels<5, true>(p, n, m, a, out, stride) : gemv_panels<5, false>(p, n, m, a, out, stride);
+    case 6: return g16 ? gemv_panels<6, true>(p, n, m, a, out, stride) : gemv_panels<6, false>(p, n, m, a, out, stride);
+    default: return g16 ? gemv_panels<8, true>(p, n, m, a, out, stride) : gemv_panels<8, false>(p, n, m, a, out, stride);
+  }
 }
 
 constexpr bool kPanels = true;
@@ -569,8 +627,31 @@ inline void transpose8(const __m256i c[8], __m256i out[8]) {
   }
 }
 
+// A 5 or 6-bit chunk's high bits (its BITS - 4 words at `words`) added to its codes as bytes:
+// first's byte b (code 4c + b % 2 of row b / 2) takes bit b of each word, second's bit 16 + b
+template <int BITS>
+inline void add_high_bytes(const uint8_t* words, __m128i& first, __m128i& second) {
+  for (int p = 0; p < BITS - 4; ++p) {
+    uint32_t w;
+    std::memcpy(&w, words + 4 * p, 4);
+    const __m128i value = _mm_set1_epi8(static_cast<char>(16 << p));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    first = _mm_mask_add_epi8(first, static_cast<__mmask16>(w), first, value);
+    second = _mm_mask_add_epi8(second, static_cast<__mmask16>(w >> 16), second, value);
+#else
+    // byte b tests bit b % 8 of the word's byte b / 8 (first) or 2 + b / 8 (second)
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i words_v = _mm_cvtsi32_si128(static_cast<int>(w));
+    const __m128i lo = _mm_shuffle_epi8(words_v, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i hi = _mm_shuffle_epi8(words_v, _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    first = _mm_or_si128(first, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(lo, bit), bit), value));
+    second = _mm_or_si128(second, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hi, bit), bit), value));
+#endif
+  }
+}
+
 // A block of the panel layout as the int8 product's panel: c[s]'s lane j = codes 4s .. 4s + 3 of
-// the panel's row j, as bytes (4-bit: unsigned; 8-bit: signed)
+// the panel's row j, as bytes (4-6-bit: unsigned; 8-bit: signed)
 template <int BITS>
 inline void panel_quads(const uint8_t* block, __m256i c[8]) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -583,24 +664,26 @@ inline void panel_quads(const uint8_t* block, __m256i c[8]) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * s));
       first = _mm_and_si128(v, nibble);
       second = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+      if constexpr (BITS > 4) add_high_bytes<BITS>(block + kNibbleChunks + 4 * (BITS - 4) * s, first, second);
     }
     c[s] = _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
   }
 }
 
-// The 8 rows of a panel's block as floats, row j at out + j * stride: scale * code + offset
+// The 8 rows of a panel's block as floats, row j at out + j * stride: scale * code + offset, with
+// d0 / o0 for the block's first 16 weights and d1 / o1 for the rest (one row's value each)
 template <int BITS, typename scalar_t>
-inline void dequantize_panel_block(const uint8_t* block, const float* d, const float* o, scalar_t* out,
-                                   int64_t stride) {
+inline void dequantize_panel_block(const uint8_t* block, const float* d0, const float* o0, const float* d1,
+                                   const float* o1, scalar_t* out, int64_t stride) {
   __m256i c[kPanel], rows[kPanel];
   panel_quads<BITS>(block, c);
   transpose8(c, rows);
   float buffer[kBlock];
   for (int j = 0; j < kPanel; ++j) {
     if constexpr (std::is_same_v<scalar_t, float>) {
-      dequantize_codes<BITS>(rows[j], d[j], o[j], d[j], o[j], out + j * stride);
+      dequantize_codes<BITS>(rows[j], d0[j], o0[j], d1[j], o1[j], out + j * stride);
     } else {
-      dequantize_codes<BITS>(rows[j], d[j], o[j], d[j], o[j], buffer);
+      dequantize_codes<BITS>(rows[j], d0[j], o0[j], d1[j], o1[j], buffer);
       for (int i = 0; i < kBlock; ++i) out[j * stride + i] = static_cast<scalar_t>(buffer[i]);
     }
   }
@@ -615,7 +698,7 @@ void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float*
   const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
   for (int64_t b = 0; p.panels && b < nb; ++b) {       // the panel layout: its chunks, interleaved
     __m256i c[kPanel];
-    panel_quads<BITS>(p.qs + ((n0 / kPanel) * nb + b) * qs_bytes(BITS) * kPanel, c);
+    panel_quads<BITS>(p.qs + ((n0 / kPanel) * nb + b) * panel_block(BITS), c);
     for (int s = 0; s < 8; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kPanelBytes + 32 * s), c[s]);
   }
   for (int64_t b = 0; !p.panels && b < nb; ++b) {
@@ -827,16 +910,15 @@ Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, cons
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
   TORCH_CHECK(k % kBlock == 0 && (group == 16 || group % kBlock == 0) && k % group == 0, "bad k / group");
   TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "bad planes");
-  TORCH_CHECK((bits == 5 || bits == 6) == (qh.has_value() && qh->defined()), "qh plane mismatch");
   // the planes must hold what k and the format say, so no read goes past them
-  const bool panels = qs.dim() == 3;
+  const bool panels = qs.dim() == 3, has_qh = qh.has_value() && qh->defined();
   const int64_t n = rows_of(qs), groups = k / group;
   if (panels) {
-    TORCH_CHECK((bits == 4 || bits == 8) && group % kBlock == 0, "the panel layout takes 4 and 8-bit codes "
-                "with a scale per whole blocks");
-    TORCH_CHECK(qs.size(1) == k / kBlock && qs.size(2) == qs_bytes(bits) * kPanel, "qs: [n / 8, ", k / kBlock,
-                ", ", qs_bytes(bits) * kPanel, "] bytes for k = ", k, " in the panel layout");
+    TORCH_CHECK(!has_qh, "the panel layout keeps the high bits in qs (no qh plane)");
+    TORCH_CHECK(qs.size(1) == k / kBlock && qs.size(2) == panel_block(bits), "qs: [n / 8, ", k / kBlock,
+                ", ", panel_block(bits), "] bytes for k = ", k, " in the panel layout");
   } else {
+    TORCH_CHECK((bits == 5 || bits == 6) == has_qh, "qh plane mismatch");
     TORCH_CHECK(qs.dim() == 2 && qs.size(1) == (bits == 8 ? k : k / 2), "qs: [n, ", bits == 8 ? k : k / 2,
                 "] bytes for k = ", k);
   }
@@ -904,7 +986,7 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemv_out", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
 #ifdef TWOSTEP_AVX2
-    if (p.panels) return bits == 4 ? gemv_panels<4>(p, n, m, a, o, out.stride(0)) : gemv_panels<8>(p, n, m, a, o, out.stride(0));
+    if (p.panels) return gemv_panel_formats(p, n, m, a, o, out.stride(0));
 #endif
     switch (bits) {
       case 4: return gemv_bits<4>(p, n, m, a, o, out.stride(0));
@@ -948,36 +1030,40 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
 template <int BITS, typename scalar_t>
 void dequantize_panels_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
   const int64_t k = p.k, nb = k / kBlock;
-  const int64_t block_bytes = qs_bytes(BITS) * kPanel;
+  // row n's scale and offset (min - zero * scale) for its weight i
+  auto scale = [&](int64_t n, int64_t i) { return half_to_float(p.scales[p.scale_at(n, i / p.group)]); };
+  auto offset = [&](int64_t n, int64_t i, float d) {
+    return (p.mins ? half_to_float(p.mins[p.scale_at(n, i / p.group)]) : 0.f) - p.zero * d;
+  };
   at::parallel_for(0, count, kPanel, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end;) {
       const int64_t n = ids[r], panel = n / kPanel;
-      const uint8_t* qs = p.qs + panel * nb * block_bytes;
+      const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
 #ifdef TWOSTEP_AVX2
       bool whole = n % kPanel == 0 && r + kPanel <= end;
       for (int j = 1; whole && j < kPanel; ++j) whole = ids[r + j] == n + j;
       if (whole) {
-        const int64_t groups = p.groups_row(), per_group = p.group / kBlock;
-        for (int64_t g = 0; g < groups; ++g) {
-          float d[kPanel], o[kPanel];
-          for (int j = 0; j < kPanel; ++j) {
-            d[j] = half_to_float(p.scales[p.scale_at(n + j, g)]);
-            o[j] = (p.mins ? half_to_float(p.mins[p.scale_at(n + j, g)]) : 0.f) - p.zero * d[j];
+        float d[2][kPanel], o[2][kPanel];       // the block's two halves (one group, or two of 16)
+        for (int64_t b = 0; b < nb; ++b) {
+          if (b * kBlock % p.group == 0) {
+            for (int h = 0; h < 2; ++h)
+              for (int j = 0; j < kPanel; ++j) {
+                d[h][j] = scale(n + j, b * kBlock + 16 * h);
+                o[h][j] = offset(n + j, b * kBlock + 16 * h, d[h][j]);
+              }
           }
-          for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b)
-            dequantize_panel_block<BITS>(qs + b * block_bytes, d, o, out + r * k + b * kBlock, k);
+          dequantize_panel_block<BITS>(qs + b * panel_block(BITS), d[0], o[0], d[1], o[1], out + r * k + b * kBlock, k);
         }
         r += kPanel;
         continue;
       }
 #endif
       const int j = static_cast<int>(n % kPanel);
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t g = (b * kBlock) / p.group;
-        const float d = half_to_float(p.scales[p.scale_at(n, g)]);
-        const float o = (p.mins ? half_to_float(p.mins[p.scale_at(n, g)]) : 0.f) - p.zero * d;
-        for (int i = 0; i < kBlock; ++i)
-          out[r * k + b * kBlock + i] = static_cast<scalar_t>(d * panel_code<BITS>(qs + b * block_bytes, j, i) + o);
+      for (int64_t half = 0; half < 2 * nb; ++half) {
+        const float d = scale(n, 16 * half), o = offset(n, 16 * half, d);
+        const uint8_t* block = qs + (half / 2) * panel_block(BITS);
+        for (int i = 16 * (half % 2); i < 16 * (half % 2) + 16; ++i)
+          out[r * k + (half / 2) * kBlock + i] = static_cast<scalar_t>(d * panel_code<BITS>(block, j, i) + o);
       }
       ++r;
     }
@@ -986,9 +1072,7 @@ void dequantize_panels_into(const Planes& p, const int64_t* ids, int64_t count, 
 
 template <int BITS, typename scalar_t>
 void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_t* out) {
-  if (p.panels) {
-    if constexpr (BITS == 4 || BITS == 8) return dequantize_panels_into<BITS>(p, ids, count, out);
-  }
+  if (p.panels) return dequantize_panels_into<BITS>(p, ids, count, out);
   const int64_t k = p.k, nb = k / kBlock;
   at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
     float buffer[kBlock];
@@ -1038,36 +1122,48 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
   });
 }
 
-// The panel layout of row-major planes (4 or 8-bit codes, a scale per whole blocks, n a multiple
-// of 8): (qs, scales, mins) as described at the top; quantization/packed.py's to_panels is the
-// reference this is tested against.
-std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                                    int64_t bits, int64_t group, int64_t k) {
-  const Planes p = planes_of(qs, c10::nullopt, scales, mins, bits, group, 0, k);
+// The panel layout of row-major planes (n a multiple of 8): (qs, scales, mins) as described at the
+// top; quantization/packed.py's to_panels is the reference this is tested against.
+std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t k) {
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, 0, k);
   const int64_t n = qs.size(0), nb = k / kBlock, groups = k / group, panels = n / kPanel;
-  TORCH_CHECK(!p.panels && (bits == 4 || bits == 8) && group % kBlock == 0 && n % kPanel == 0,
-              "the panel layout takes row-major 4 or 8-bit codes with a scale per whole blocks, rows a multiple of 8");
-  const int64_t block_bytes = qs_bytes(static_cast<int>(bits)) * kPanel;
-  at::Tensor out = at::empty({panels, nb, block_bytes}, qs.options());
+  TORCH_CHECK(!p.panels && n % kPanel == 0, "the panel layout takes row-major planes, rows a multiple of 8");
+  const int high = static_cast<int>(bits) - 4;      // 5 and 6-bit: words of high bits a chunk
+  const int64_t block_bytes = panel_block(static_cast<int>(bits));
+  at::Tensor out = at::zeros({panels, nb, block_bytes}, qs.options());
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* block = dst + (panel * nb + b) * block_bytes;
         for (int j = 0; j < kPanel; ++j) {
-          const uint8_t* src = p.qs + (panel * kPanel + j) * p.qs_row() + b * qs_bytes(static_cast<int>(bits));
+          const int64_t row = panel * kPanel + j;
+          const uint8_t* src = p.qs + row * p.qs_row() + b * qs_bytes(static_cast<int>(bits));
           if (bits == 8) {          // codes 2c, 2c + 1: two bytes as they are
             for (int c = 0; c < 16; ++c) std::memcpy(block + 16 * c + 2 * j, src + 2 * c, 2);
             continue;
           }
-          uint8_t code[kBlock];     // code i of the row: the low nibble of byte i, or the high one of i - 16
-          for (int i = 0; i < 16; ++i) {
-            code[i] = src[i] & 0xF;
-            code[i + 16] = src[i] >> 4;
+          const uint8_t* hb = p.qh ? p.qh + row * p.qh_row() + b * qh_bytes(static_cast<int>(bits)) : nullptr;
+          int code[kBlock];         // code i of the row, as the row layout stores it (packed.py)
+          for (int i = 0; i < kBlock; ++i) {
+            code[i] = i < 16 ? src[i] & 0xF : src[i - 16] >> 4;
+            if (bits == 5) code[i] |= ((hb[i % 4] >> (i / 4)) & 1) << 4;
+            if (bits == 6) code[i] |= ((hb[i % 8] >> (2 * (i / 8))) & 3) << 4;
           }
-          for (int c = 0; c < 8; ++c)       // codes 4c + u in the low nibbles, 4c + 2 + u in the high ones
-            for (int u = 0; u < 2; ++u)
-              block[16 * c + 2 * j + u] = static_cast<uint8_t>(code[4 * c + u] | (code[4 * c + 2 + u] << 4));
+          for (int c = 0; c < 8; ++c) {     // codes 4c + u in the low nibbles, 4c + 2 + u in the high ones
+            for (int u = 0; u < 2; ++u) {
+              block[16 * c + 2 * j + u] = static_cast<uint8_t>((code[4 * c + u] & 0xF) | ((code[4 * c + 2 + u] & 0xF) << 4));
+              for (int q = 0; q < high; ++q) {
+                uint32_t word;
+                uint8_t* at = block + kNibbleChunks + 4 * (high * c + q);
+                std::memcpy(&word, at, 4);
+                word |= static_cast<uint32_t>((code[4 * c + u] >> (4 + q)) & 1) << (2 * j + u);
+                word |= static_cast<uint32_t>((code[4 * c + 2 + u] >> (4 + q)) & 1) << (16 + 2 * j + u);
+                std::memcpy(at, &word, 4);
+              }
+            }
+          }
         }
       }
     }
@@ -1082,9 +1178,12 @@ bool has_int8() { return kInt8; }
 bool has_panels() { return kPanels; }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
-// beside the native one, registers its own namespace.
+// beside the native one, registers its own namespace, as does a build with -DTWOSTEP_VARIANT=name
+// (a variant of this file A/B-timed against the native build in one process).
 #ifdef TWOSTEP_FORCE_SCALAR
 #define TWOSTEP_OPS twostep_portable
+#elif defined(TWOSTEP_VARIANT)
+#define TWOSTEP_OPS TWOSTEP_VARIANT
 #else
 #define TWOSTEP_OPS twostep
 #endif
@@ -1121,7 +1220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("has_panels", &has_panels, "whether this build multiplies the panel layout");
-  m.def("pack_panels", &pack_panels, "row-major planes (4 or 8-bit codes) in the panel layout: qs, scales, mins");
+  m.def("pack_panels", &pack_panels, "row-major planes in the panel layout: qs (with the high bits), scales, mins");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
   m.def("path", &path, "the instruction set this build uses");
 }

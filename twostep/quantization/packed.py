@@ -18,14 +18,16 @@ The codes are stored in planes, each [n, ...] row-major, so a row's blocks strea
 * `scales`, `mins`: float16 [n, k / group].
 
 The panel layout (`to_panels`) is the same planes regrouped for the CPU kernel's matrix-vector
-product, which the CPU platform binds at load where it has that product (4 and 8-bit codes, a scale
-per whole blocks, n a multiple of PANEL): PANEL rows stored together, block by block, so the kernel
-reads eight rows' codes in one stream and gets their eight sums in the eight lanes of a vector.
-A panel's block is 16-byte chunks c; bytes 2j and 2j + 1 of a chunk belong to the panel's row j:
-bits 8: its codes 2c and 2c + 1; bits 4: codes 4c and 4c + 1 in the low nibbles, 4c + 2 and 4c + 3
-in the high ones. qs is [n / PANEL, k / 32, 16 * PANEL or 32 * PANEL] bytes, scales and mins
-[n / PANEL, k / group, PANEL]. codes() and dequantize() read either layout; loading, slicing and
-stacking take the row layout only.
+product, which the CPU platform binds at load where it has that product (n a multiple of PANEL):
+PANEL rows stored together, block by block, so the kernel reads eight rows' codes in one stream and
+gets their eight sums in the eight lanes of a vector. A panel's block starts with 16-byte chunks c;
+bytes 2j and 2j + 1 of a chunk belong to the panel's row j: bits 8: its codes 2c and 2c + 1; bits
+4-6: the low nibbles of codes 4c and 4c + 1 in the low nibbles, of 4c + 2 and 4c + 3 in the high
+ones. Bits 5 and 6 follow with the bits above the nibble, bits - 4 little-endian 32-bit words a
+chunk: word p's bit 2j + u is bit 4 + p of row j's code 4c + u, bit 16 + 2j + u that of 4c + 2 + u.
+qs is [n / PANEL, k / 32, panel block bytes] (no qh plane), scales and mins [n / PANEL, k / group,
+PANEL]. codes() and dequantize() read either layout; loading, slicing and stacking take the row
+layout only.
 
 GGUF's types map onto it by a reordering of their bits (models/gguf_loader.py ->
 quantization/gguf_blocks.py); K-quants' 6 or 8-bit sub-block scales are multiplied out into one
@@ -93,7 +95,7 @@ class PackedWeight:
         return self.qs.dim() == 3
 
     def panel_layout_fits(self) -> bool:
-        return self.fmt.bits in (4, 8) and self.fmt.group % BLOCK == 0 and self.n % PANEL == 0
+        return self.n % PANEL == 0
 
     def to_panels(self) -> PackedWeight:
         """The panel layout (the reference; the CPU kernel's pack_panels does it at load)."""
@@ -101,14 +103,18 @@ class PackedWeight:
             raise ValueError(f"{self.fmt.name} [{self.n}, {self.k}]: no panel layout for it")
         p, nb, codes = self.n // PANEL, self.k // BLOCK, self.codes().numpy().astype(np.uint8)
         if self.fmt.bits == 8:       # [p, j, nb, c, u] -> [p, nb, c, j, u]: code 2c + u of row j
-            qs = codes.reshape(p, PANEL, nb, 16, 2).transpose(0, 2, 3, 1, 4)
-        else:                        # code 4c + 2h + u of row j: nibble h of byte (c, j, u)
+            qs = codes.reshape(p, PANEL, nb, 16, 2).transpose(0, 2, 3, 1, 4).reshape(p, nb, -1)
+        else:                        # code 4c + 2h + u of row j: [p, j, nb, c, h, u] -> [p, nb, c, j, h, u]
             c = codes.reshape(p, PANEL, nb, 8, 2, 2).transpose(0, 2, 3, 1, 4, 5)
-            qs = c[..., 0, :] | (c[..., 1, :] << 4)
+            qs = ((c[..., 0, :] & 0xF) | ((c[..., 1, :] & 0xF) << 4)).reshape(p, nb, -1)
+            if self.fmt.bits > 4:    # the bits above the nibble: [p, nb, c, q, h, j, u], a 32-bit word per q
+                high = np.stack([(c.transpose(0, 1, 2, 4, 3, 5) >> (4 + q)) & 1 for q in range(self.fmt.bits - 4)],
+                                axis=3)
+                words = np.packbits(high.reshape(p, nb, 8, -1, 32), axis=-1, bitorder="little")
+                qs = np.concatenate([qs, words.reshape(p, nb, -1)], axis=-1)
         interleave = lambda t: None if t is None else t.reshape(p, PANEL, -1).transpose(1, 2).contiguous()  # noqa: E731
-        qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(p, nb, -1)).view(self.qs.dtype)
-        return dataclasses.replace(self, qs=qs,
-                                   scales=interleave(self.scales), mins=interleave(self.mins))
+        qs = torch.from_numpy(np.ascontiguousarray(qs)).view(self.qs.dtype)
+        return dataclasses.replace(self, qs=qs, qh=None, scales=interleave(self.scales), mins=interleave(self.mins))
 
     def row_layout(self) -> PackedWeight:
         """The row-major planes of a weight in either layout."""
@@ -118,9 +124,13 @@ class PackedWeight:
         raw = self.qs.numpy().view(np.uint8)
         if self.fmt.bits == 8:       # [p, nb, c, j, u] -> [p, j, nb, c, u]
             codes = raw.reshape(p, nb, 16, PANEL, 2).transpose(0, 3, 1, 2, 4).reshape(self.n, self.k).view(np.int8)
-        else:
-            b = raw.reshape(p, nb, 8, PANEL, 1, 2)
-            codes = np.concatenate([b & 0xF, b >> 4], axis=4).transpose(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)
+        else:                        # [p, nb, c, j, h, u] -> [p, j, nb, c, h, u]
+            b = raw[..., :16 * PANEL].reshape(p, nb, 8, PANEL, 1, 2)
+            c = np.concatenate([b & 0xF, b >> 4], axis=4)
+            high = np.unpackbits(raw[..., 16 * PANEL:].reshape(p, nb, 8, -1, 4), axis=-1, bitorder="little")
+            for q in range(self.fmt.bits - 4):      # [p, nb, c, h, j, u] -> [p, nb, c, j, h, u]
+                c |= high[:, :, :, q].reshape(p, nb, 8, 2, PANEL, 2).transpose(0, 1, 2, 4, 3, 5) << (4 + q)
+            codes = c.transpose(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)
         un = lambda t: None if t is None else t.transpose(1, 2).reshape(self.n, -1)  # noqa: E731
         mins = un(self.mins)
         return pack(np.ascontiguousarray(codes), un(self.scales).float().numpy(),

@@ -3,7 +3,7 @@
 A few rows (decode) take the kernel's matrix-vector product, which streams each packed weight
 block once against activations quantized per block to int16 (the float product of the
 dequantized weights within float rounding) and writes its float32 sums in the activations' dtype.
-Where the kernel has it (the SIMD builds), 4 and 8-bit weights with a scale per whole blocks are
+Where the kernel has it (the SIMD builds), weights of a multiple of 8 rows (every format) are
 bound in the panel layout (quantization/packed.py): eight rows interleaved, so the product gets
 eight output columns per vector without horizontal sums; the row layout's bytes are dropped.
 More rows (prefill, large decode batches) dequantize the weight a tile of rows at a time into the
@@ -50,9 +50,9 @@ class QuantizedLinearMethod:
         return QuantizedWeight(tuple(self._panels(p) if p.panel_layout_fits() else p for p in weight.parts))
 
     def _panels(self, part: PackedWeight) -> PackedWeight:
-        qs, scales, mins = self.kernel.pack_panels(part.qs, part.scales, part.mins, part.fmt.bits, part.fmt.group,
-                                                   part.k)
-        return dataclasses.replace(part, qs=qs, scales=scales, mins=mins)
+        qs, scales, mins = self.kernel.pack_panels(part.qs, part.qh, part.scales, part.mins, part.fmt.bits,
+                                                   part.fmt.group, part.k)
+        return dataclasses.replace(part, qs=qs, qh=None, scales=scales, mins=mins)
 
     def process_weights(self, layer) -> None:
         layer.weight = None
