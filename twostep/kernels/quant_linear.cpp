@@ -20,10 +20,10 @@
 //   horizontal sum, and one vector of eight rows' scales per group.
 //   A panel's block starts with 16-byte chunks c; bytes 2j and 2j + 1 of a chunk belong to the
 //   panel's row j: bits 8: its codes 2c and 2c + 1; bits 4-6: the low nibbles of codes 4c and 4c + 1
-//   in the low nibbles, of 4c + 2 and 4c + 3 in the high ones. Bits 5 and 6 follow with each chunk's
-//   bits above the nibble, bits - 4 little-endian 32-bit words a chunk: word p's bit 2j + u is bit
-//   4 + p of row j's code 4c + u, its bit 16 + 2j + u that of code 4c + 2 + u (the lane order of the
-//   chunk's two int16 vectors, so a mask move sets them). qs is [n / 8, blocks, panel_block(bits)]
+//   in the low nibbles, of 4c + 2 and 4c + 3 in the high ones. Bits 5 and 6 follow with the bits above
+//   the nibble in 16-byte vectors, one per P = 4 / w chunks (w = bits - 4): vector c / P's byte
+//   2j + u holds, at bit w (2 (c % P) + h), the w high bits of row j's code 4c + 2h + u (the lane
+//   order of the chunk's int16 vectors, so one shift and one mask move a chunk's bits in place). qs is [n / 8, blocks, panel_block(bits)]
 //   bytes (no qh plane), scales / mins [n / 8, groups, 8].
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
 //   matrix-matrix product hands to oneDNN / MKL).
@@ -72,6 +72,9 @@ constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
 // one block of the panel layout: the eight rows' chunks, then their high bits
 constexpr int panel_block(int bits) { return (qs_bytes(bits) + qh_bytes(bits)) * kPanel; }
 constexpr int kNibbleChunks = 16 * kPanel;   // where a 5 or 6-bit panel block's high bits start
+constexpr int high_chunks(int bits) { return 4 / (bits - 4); }   // chunks a vector of high bits covers
+// the left shift (negative: right) that moves the high bits of chunk c's half h to bit 4
+constexpr int high_shift(int bits, int c, int h) { return 4 - (bits - 4) * (2 * (c % high_chunks(bits)) + h); }
 
 // Code i of the panel's row j in one of its blocks (bytes `block`), in the panel layout
 template <int BITS>
@@ -81,11 +84,10 @@ inline int panel_code(const uint8_t* block, int j, int i) {
   } else {
     const uint8_t byte = block[16 * (i / 4) + 2 * j + i % 2];
     int code = i % 4 < 2 ? byte & 0xF : byte >> 4;
-    const int bit = (i % 4 < 2 ? 0 : 16) + 2 * j + i % 2;
-    for (int p = 0; p < BITS - 4; ++p) {
-      uint32_t word;
-      std::memcpy(&word, block + kNibbleChunks + 4 * ((BITS - 4) * (i / 4) + p), 4);
-      code |= static_cast<int>((word >> bit) & 1) << (4 + p);
+    if constexpr (BITS > 4) {
+      const int c = i / 4, h = i % 4 / 2;
+      const uint8_t high = block[kNibbleChunks + 16 * (c / high_chunks(BITS)) + 2 * j + i % 2];
+      code |= ((high >> (4 - high_shift(BITS, c, h))) & ((1 << (BITS - 4)) - 1)) << 4;
     }
     return code;
   }
@@ -425,24 +427,24 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 
 // ---- the panel layout's matrix-vector product (1-8 rows) ----
 
-// A 5 or 6-bit chunk's high bits (its BITS - 4 words at `words`) added to its two vectors of 16
-// int16 codes: lo holds codes 4c and 4c + 1 of each row, hi 4c + 2 and 4c + 3, in the words' order
-template <int BITS>
-inline void add_high_bits(const uint8_t* words, __m256i& lo, __m256i& hi) {
-  for (int p = 0; p < BITS - 4; ++p) {
-    uint32_t w;
-    std::memcpy(&w, words + 4 * p, 4);
-    const __m256i value = _mm256_set1_epi16(static_cast<int16_t>(16 << p));
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    lo = _mm256_mask_add_epi16(lo, static_cast<__mmask16>(w), lo, value);
-    hi = _mm256_mask_add_epi16(hi, static_cast<__mmask16>(w >> 16), hi, value);
+// code with the high bits of one chunk's half put in: `high` is the chunk's vector of high bits
+// (its bytes widened to int16 lanes or as they are), SHIFT moves the half's field to bit 4
+template <int BITS, int SHIFT, typename vec>
+inline vec with_high(vec code, vec high) {
+  constexpr int mask = ((1 << BITS) - 1) & ~0xF;
+  if constexpr (sizeof(vec) == 32) {
+    const __m256i moved = SHIFT >= 0 ? _mm256_slli_epi16(high, SHIFT) : _mm256_srli_epi16(high, -SHIFT);
+#if defined(__AVX512VL__)
+    return _mm256_ternarylogic_epi32(code, moved, _mm256_set1_epi16(mask), 0xF8);   // code | (moved & mask)
 #else
-    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          static_cast<int16_t>(0x8000));
-    const __m256i set_lo = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(w)), bit), bit);
-    const __m256i set_hi = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(w >> 16)), bit), bit);
-    lo = _mm256_or_si256(lo, _mm256_and_si256(set_lo, value));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(set_hi, value));
+    return _mm256_or_si256(code, _mm256_and_si256(moved, _mm256_set1_epi16(mask)));
+#endif
+  } else {         // bytes: a 16-bit shift carries bits across bytes only below bit 4 or above bit 5
+    const __m128i moved = SHIFT >= 0 ? _mm_slli_epi16(high, SHIFT) : _mm_srli_epi16(high, -SHIFT);
+#if defined(__AVX512VL__)
+    return _mm_ternarylogic_epi32(code, moved, _mm_set1_epi8(static_cast<char>(mask)), 0xF8);
+#else
+    return _mm_or_si128(code, _mm_and_si128(moved, _mm_set1_epi8(static_cast<char>(mask))));
 #endif
   }
 }
@@ -475,7 +477,9 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
       __m256i sums[M][A];
       for (int m = 0; m < M; ++m)
         for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
-      // the half's chunks by a compile-time count, so the sums' indices are constants (registers)
+      __m256i high = _mm256_setzero_si256();
+      // the half's chunks unrolled, so the sums' indices and the shifts are constants (registers, immediates)
+#pragma GCC unroll 16
       for (int i = 0; i < kChunks / kHalves; ++i) {
         const int c = h * (kChunks / kHalves) + i;
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
@@ -488,7 +492,17 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
         } else {
           const __m256i v = _mm256_cvtepu8_epi16(raw);
           __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
-          if constexpr (BITS > 4) add_high_bits<BITS>(block + kNibbleChunks + 4 * (BITS - 4) * c, lo, hi);
+          if constexpr (BITS > 4) {
+            constexpr int P = high_chunks(BITS);
+            if (i % P == 0)       // (a half starts a vector: i % P is c % P, known once unrolled)
+              high = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (c / P))));
+            switch (i % P) {      // the shifts are immediates
+              case 0: lo = with_high<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
+              case 1: lo = with_high<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
+              case 2: lo = with_high<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
+              default: lo = with_high<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
+            }
+          }
           for (int m = 0; m < M; ++m) {
             const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
             const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c + 1));
@@ -627,29 +641,6 @@ inline void transpose8(const __m256i c[8], __m256i out[8]) {
   }
 }
 
-// A 5 or 6-bit chunk's high bits (its BITS - 4 words at `words`) added to its codes as bytes:
-// first's byte b (code 4c + b % 2 of row b / 2) takes bit b of each word, second's bit 16 + b
-template <int BITS>
-inline void add_high_bytes(const uint8_t* words, __m128i& first, __m128i& second) {
-  for (int p = 0; p < BITS - 4; ++p) {
-    uint32_t w;
-    std::memcpy(&w, words + 4 * p, 4);
-    const __m128i value = _mm_set1_epi8(static_cast<char>(16 << p));
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    first = _mm_mask_add_epi8(first, static_cast<__mmask16>(w), first, value);
-    second = _mm_mask_add_epi8(second, static_cast<__mmask16>(w >> 16), second, value);
-#else
-    // byte b tests bit b % 8 of the word's byte b / 8 (first) or 2 + b / 8 (second)
-    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    const __m128i words_v = _mm_cvtsi32_si128(static_cast<int>(w));
-    const __m128i lo = _mm_shuffle_epi8(words_v, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __m128i hi = _mm_shuffle_epi8(words_v, _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    first = _mm_or_si128(first, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(lo, bit), bit), value));
-    second = _mm_or_si128(second, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hi, bit), bit), value));
-#endif
-  }
-}
-
 // A block of the panel layout as the int8 product's panel: c[s]'s lane j = codes 4s .. 4s + 3 of
 // the panel's row j, as bytes (4-6-bit: unsigned; 8-bit: signed)
 template <int BITS>
@@ -664,7 +655,16 @@ inline void panel_quads(const uint8_t* block, __m256i c[8]) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * s));
       first = _mm_and_si128(v, nibble);
       second = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-      if constexpr (BITS > 4) add_high_bytes<BITS>(block + kNibbleChunks + 4 * (BITS - 4) * s, first, second);
+      if constexpr (BITS > 4) {
+        constexpr int P = high_chunks(BITS);
+        const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (s / P)));
+        switch (s % P) {
+          case 0: first = with_high<BITS, high_shift(BITS, 0, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 0, 1)>(second, high); break;
+          case 1: first = with_high<BITS, high_shift(BITS, 1, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 1, 1)>(second, high); break;
+          case 2: first = with_high<BITS, high_shift(BITS, 2, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 2, 1)>(second, high); break;
+          default: first = with_high<BITS, high_shift(BITS, 3, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 3, 1)>(second, high); break;
+        }
+      }
     }
     c[s] = _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
   }
@@ -1129,7 +1129,6 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, 0, k);
   const int64_t n = qs.size(0), nb = k / kBlock, groups = k / group, panels = n / kPanel;
   TORCH_CHECK(!p.panels && n % kPanel == 0, "the panel layout takes row-major planes, rows a multiple of 8");
-  const int high = static_cast<int>(bits) - 4;      // 5 and 6-bit: words of high bits a chunk
   const int64_t block_bytes = panel_block(static_cast<int>(bits));
   at::Tensor out = at::zeros({panels, nb, block_bytes}, qs.options());
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
@@ -1154,14 +1153,12 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at
           for (int c = 0; c < 8; ++c) {     // codes 4c + u in the low nibbles, 4c + 2 + u in the high ones
             for (int u = 0; u < 2; ++u) {
               block[16 * c + 2 * j + u] = static_cast<uint8_t>((code[4 * c + u] & 0xF) | ((code[4 * c + 2 + u] & 0xF) << 4));
-              for (int q = 0; q < high; ++q) {
-                uint32_t word;
-                uint8_t* at = block + kNibbleChunks + 4 * (high * c + q);
-                std::memcpy(&word, at, 4);
-                word |= static_cast<uint32_t>((code[4 * c + u] >> (4 + q)) & 1) << (2 * j + u);
-                word |= static_cast<uint32_t>((code[4 * c + 2 + u] >> (4 + q)) & 1) << (16 + 2 * j + u);
-                std::memcpy(at, &word, 4);
-              }
+              if (bits > 4)         // the high bits of codes 4c + u (h = 0) and 4c + 2 + u (h = 1)
+                for (int h = 0; h < 2; ++h) {
+                  const int b4 = static_cast<int>(bits);
+                  uint8_t& at = block[kNibbleChunks + 16 * (c / high_chunks(b4)) + 2 * j + u];
+                  at |= static_cast<uint8_t>((code[4 * c + 2 * h + u] >> 4) << (4 - high_shift(b4, c, h)));
+                }
             }
           }
         }

@@ -23,8 +23,9 @@ PANEL rows stored together, block by block, so the kernel reads eight rows' code
 gets their eight sums in the eight lanes of a vector. A panel's block starts with 16-byte chunks c;
 bytes 2j and 2j + 1 of a chunk belong to the panel's row j: bits 8: its codes 2c and 2c + 1; bits
 4-6: the low nibbles of codes 4c and 4c + 1 in the low nibbles, of 4c + 2 and 4c + 3 in the high
-ones. Bits 5 and 6 follow with the bits above the nibble, bits - 4 little-endian 32-bit words a
-chunk: word p's bit 2j + u is bit 4 + p of row j's code 4c + u, bit 16 + 2j + u that of 4c + 2 + u.
+ones. Bits 5 and 6 follow with the bits above the nibble in 16-byte vectors, one per P = 4 / w
+chunks (w = bits - 4): vector c // P's byte 2j + u holds, at bit w (2 (c % P) + h), the w high bits
+of row j's code 4c + 2h + u.
 qs is [n / PANEL, k / 32, panel block bytes] (no qh plane), scales and mins [n / PANEL, k / group,
 PANEL]. codes() and dequantize() read either layout; loading, slicing and stacking take the row
 layout only.
@@ -107,11 +108,12 @@ class PackedWeight:
         else:                        # code 4c + 2h + u of row j: [p, j, nb, c, h, u] -> [p, nb, c, j, h, u]
             c = codes.reshape(p, PANEL, nb, 8, 2, 2).transpose(0, 2, 3, 1, 4, 5)
             qs = ((c[..., 0, :] & 0xF) | ((c[..., 1, :] & 0xF) << 4)).reshape(p, nb, -1)
-            if self.fmt.bits > 4:    # the bits above the nibble: [p, nb, c, q, h, j, u], a 32-bit word per q
-                high = np.stack([(c.transpose(0, 1, 2, 4, 3, 5) >> (4 + q)) & 1 for q in range(self.fmt.bits - 4)],
-                                axis=3)
-                words = np.packbits(high.reshape(p, nb, 8, -1, 32), axis=-1, bitorder="little")
-                qs = np.concatenate([qs, words.reshape(p, nb, -1)], axis=-1)
+            if self.fmt.bits > 4:    # the bits above the nibble: [p, nb, vector, c % P, j, h, u] -> bytes
+                w = self.fmt.bits - 4
+                high = (c >> 4).reshape(p, nb, 2 * w, 4 // w, PANEL, 2, 2).astype(np.uint8)
+                at = (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
+                vectors = np.bitwise_or.reduce(high << at, axis=(3, 5))          # [p, nb, vector, j, u]
+                qs = np.concatenate([qs, vectors.reshape(p, nb, -1)], axis=-1)
         interleave = lambda t: None if t is None else t.reshape(p, PANEL, -1).transpose(1, 2).contiguous()  # noqa: E731
         qs = torch.from_numpy(np.ascontiguousarray(qs)).view(self.qs.dtype)
         return dataclasses.replace(self, qs=qs, qh=None, scales=interleave(self.scales), mins=interleave(self.mins))
@@ -127,9 +129,11 @@ class PackedWeight:
         else:                        # [p, nb, c, j, h, u] -> [p, j, nb, c, h, u]
             b = raw[..., :16 * PANEL].reshape(p, nb, 8, PANEL, 1, 2)
             c = np.concatenate([b & 0xF, b >> 4], axis=4)
-            high = np.unpackbits(raw[..., 16 * PANEL:].reshape(p, nb, 8, -1, 4), axis=-1, bitorder="little")
-            for q in range(self.fmt.bits - 4):      # [p, nb, c, h, j, u] -> [p, nb, c, j, h, u]
-                c |= high[:, :, :, q].reshape(p, nb, 8, 2, PANEL, 2).transpose(0, 1, 2, 4, 3, 5) << (4 + q)
+            if self.fmt.bits > 4:    # [p, nb, vector, j, u] -> [p, nb, vector, c % P, j, h, u]
+                w = self.fmt.bits - 4
+                vectors = raw[..., 16 * PANEL:].reshape(p, nb, 2 * w, 1, PANEL, 1, 2)
+                at = (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
+                c |= (((vectors >> at) & ((1 << w) - 1)) << 4).reshape(c.shape)
             codes = c.transpose(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)
         un = lambda t: None if t is None else t.transpose(1, 2).reshape(self.n, -1)  # noqa: E731
         mins = un(self.mins)
