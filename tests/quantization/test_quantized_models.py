@@ -109,12 +109,18 @@ def test_smollm2_q4_1_kept_packed(smollm2):
 
 
 @pytest.mark.slow
-def test_q8_0_file_from_the_same_weights(smollm2, tmp_path):
-    path = str(tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf")
-    requantize(smollm2, path, QType.Q8_0)
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q5_0], ids=lambda q: q.name)
+def test_a_file_requantized_from_the_same_weights(smollm2, tmp_path, qtype):
+    """A Q8_0 file (the issue's check) and a Q5_0 one (5-bit codes, high bits in the panel layout)
+    made from the default file's weights agree with themselves dequantized at load."""
+    path = str(tmp_path / f"SmolLM2-135M-Instruct.{qtype.name}.gguf")
+    requantize(smollm2, path, qtype)
     packed = decode_rows_engine(path)
-    assert {"Q8_0"} == {name for m in packed.model.modules() if isinstance(m, Linear)
-                        for name in m.quantized.format_names}
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert {qtype.name} == {name for m in linears for name in m.quantized.format_names}
+    from twostep import kernels
+    if kernels.quant_linear() is not None and kernels.quant_linear().has_panels():
+        assert all(p.panels for m in linears for p in m.quantized.parts)
     assert weight_bytes(packed.model) <= 1.02 * os.path.getsize(path)
     dequantized = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="64MiB",
                                          quantization="none"))
