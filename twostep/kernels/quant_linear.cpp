@@ -23,8 +23,9 @@
 //   in the low nibbles, of 4c + 2 and 4c + 3 in the high ones. Bits 5 and 6 follow with the bits above
 //   the nibble in 16-byte vectors, one per P = 4 / w chunks (w = bits - 4): vector c / P's byte
 //   2j + u holds, at bit w (2 (c % P) + h), the w high bits of row j's code 4c + 2h + u (the lane
-//   order of the chunk's int16 vectors, so one shift and one mask move a chunk's bits in place). qs is [n / 8, blocks, panel_block(bits)]
-//   bytes (no qh plane), scales / mins [n / 8, groups, 8].
+//   order of the chunk's int16 vectors, so one shift and one masked or put a chunk's bits in
+//   place). qs is [n / 8, blocks, panel_block(bits)] bytes (no qh plane), scales / mins
+//   [n / 8, groups, 8].
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
 //   matrix-matrix product hands to oneDNN / MKL).
 #include <torch/extension.h>
