@@ -450,6 +450,19 @@ inline vec with_high(vec code, vec high) {
   }
 }
 
+// A chunk's two halves (codes 4c + u and 4c + 2 + u of each row) with their high bits put in from
+// the chunk's vector `high`; within = c % high_chunks(BITS), a constant where inlined (the shifts
+// are immediates)
+template <int BITS, typename vec>
+inline void add_high(int within, vec& lo, vec& hi, vec high) {
+  switch (within) {
+    case 0: lo = with_high<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
+    case 1: lo = with_high<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
+    case 2: lo = with_high<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
+    default: lo = with_high<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
+  }
+}
+
 // activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
 // codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of
 // activations into int32 sums (A independent sums a row, for the multiply-add's latency); then one
@@ -497,12 +510,7 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
             constexpr int P = high_chunks(BITS);
             if (i % P == 0)       // (a half starts a vector: i % P is c % P, known once unrolled)
               high = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (c / P))));
-            switch (i % P) {      // the shifts are immediates
-              case 0: lo = with_high<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
-              case 1: lo = with_high<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
-              case 2: lo = with_high<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
-              default: lo = with_high<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
-            }
+            add_high<BITS>(i % P, lo, hi, high);
           }
           for (int m = 0; m < M; ++m) {
             const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
@@ -659,12 +667,7 @@ inline void panel_quads(const uint8_t* block, __m256i c[8]) {
       if constexpr (BITS > 4) {
         constexpr int P = high_chunks(BITS);
         const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (s / P)));
-        switch (s % P) {
-          case 0: first = with_high<BITS, high_shift(BITS, 0, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 0, 1)>(second, high); break;
-          case 1: first = with_high<BITS, high_shift(BITS, 1, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 1, 1)>(second, high); break;
-          case 2: first = with_high<BITS, high_shift(BITS, 2, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 2, 1)>(second, high); break;
-          default: first = with_high<BITS, high_shift(BITS, 3, 0)>(first, high); second = with_high<BITS, high_shift(BITS, 3, 1)>(second, high); break;
-        }
+        add_high<BITS>(s % P, first, second, high);
       }
     }
     c[s] = _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));

@@ -111,7 +111,7 @@ class PackedWeight:
             if self.fmt.bits > 4:    # the bits above the nibble: [p, nb, vector, c % P, j, h, u] -> bytes
                 w = self.fmt.bits - 4
                 high = (c >> 4).reshape(p, nb, 2 * w, 4 // w, PANEL, 2, 2).astype(np.uint8)
-                at = (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
+                at = _high_bit_positions(w)
                 vectors = np.bitwise_or.reduce(high << at, axis=(3, 5))          # [p, nb, vector, j, u]
                 qs = np.concatenate([qs, vectors.reshape(p, nb, -1)], axis=-1)
         interleave = lambda t: None if t is None else t.reshape(p, PANEL, -1).transpose(1, 2).contiguous()  # noqa: E731
@@ -132,7 +132,7 @@ class PackedWeight:
             if self.fmt.bits > 4:    # [p, nb, vector, j, u] -> [p, nb, vector, c % P, j, h, u]
                 w = self.fmt.bits - 4
                 vectors = raw[..., 16 * PANEL:].reshape(p, nb, 2 * w, 1, PANEL, 1, 2)
-                at = (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
+                at = _high_bit_positions(w)
                 c |= (((vectors >> at) & ((1 << w) - 1)) << 4).reshape(c.shape)
             codes = c.transpose(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)
         un = lambda t: None if t is None else t.transpose(1, 2).reshape(self.n, -1)  # noqa: E731
@@ -241,6 +241,12 @@ def _high_bits(high: np.ndarray, bits: int) -> np.ndarray | None:
         lanes = (high & 3).reshape(n, nb, 4, 8).astype(np.uint8)        # [.., i // 8, i % 8]
         shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
     return np.bitwise_or.reduce(lanes << shifts, axis=2).astype(np.uint8)
+
+
+def _high_bit_positions(w: int) -> np.ndarray:
+    """Where the panel layout's high-bit bytes hold chunk c % P's half h: bit w (2 (c % P) + h),
+    shaped [P, j, h, u] to broadcast against a vector's codes."""
+    return (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
 
 
 def _half(values: np.ndarray, n: int, groups: int) -> torch.Tensor:
