@@ -463,27 +463,35 @@ inline void add_high(int within, vec& lo, vec& hi, vec high) {
   }
 }
 
+// AVX-512's 32 vector registers hold the int32 sums of 8 rows, or of 4 rows twice over
+#if defined(__AVX512VL__)
+constexpr bool kWidePass = true;
+#else
+constexpr bool kWidePass = false;
+#endif
+
 // activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
 // codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of
-// activations into int32 sums (A independent sums a row, for the multiply-add's latency); then one
-// conversion and one FMA per group in the block (G16: two) a row with the eight rows' scales. The
-// zero point enters through the activations' half-block sums, the mins once per group through the
-// group sums.
+// activations into int32 sums, A independent sums a row so that about eight multiply-add chains
+// are in flight (one chain waits ~4 cycles a step, and the core takes up to two a cycle: with four
+// chains a row of 4 rows ran at ~60% of that); then per group in the block (G16: two) and row one
+// conversion and two FMAs with the eight rows' scales, the zero point entering through the
+// activations' half-block sums, the mins once per group through the group sums.
 template <int BITS, int M, bool G16>
 inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations& a, int64_t m0,
                       float result[][kPanel]) {
-  constexpr int A = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int A = kWidePass ? (M <= 2 ? 4 : M <= 4 ? 2 : 1) : (M == 1 ? 4 : M == 2 ? 2 : 1);
   constexpr int kChunks = qs_bytes(BITS) * kPanel / 16, kHalves = G16 ? 2 : 1;
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
   const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
   const at::Half* scales = p.scales + panel * groups * kPanel;
   const __m256i nibble = _mm256_set1_epi16(0x0F);
-  const bool centred = p.zero != 0;
+  const float zero = static_cast<float>(p.zero);
   const float* x32[M];            // the int16 codes read as pairs (one float-sized load a pair)
-  __m256 acc[M], zacc[M];
+  __m256 acc[M];
   for (int m = 0; m < M; ++m) {
     x32[m] = reinterpret_cast<const float*>(a.q.data() + (m0 + m) * k);
-    acc[m] = zacc[m] = _mm256_setzero_ps();
+    acc[m] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = qs + b * panel_block(BITS);
@@ -526,16 +534,13 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
         __m256i total = sums[m][0];
         for (int i = 1; i < A; ++i) total = _mm256_add_epi32(total, sums[m][i]);
         const int64_t at = (m0 + m) * nb + b;
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[at])), acc[m]);
-        if (centred) {
-          const float xsum = G16 ? a.half_sums[2 * at + h] : a.half_sums[2 * at] + a.half_sums[2 * at + 1];
-          zacc[m] = _mm256_fmadd_ps(d, _mm256_set1_ps(xsum), zacc[m]);
-        }
+        // sum_i (q_i - zero) x_i = xd * sum_i q_i xq_i - zero * (the half blocks' sums of x)
+        const float xsum = G16 ? a.half_sums[2 * at + h] : a.half_sums[2 * at] + a.half_sums[2 * at + 1];
+        const __m256 dot = _mm256_fmsub_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(a.scale[at]), _mm256_set1_ps(zero * xsum));
+        acc[m] = _mm256_fmadd_ps(d, dot, acc[m]);
       }
     }
   }
-  if (centred)
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), zacc[m], acc[m]);
   if (p.mins) {
     const at::Half* mins = p.mins + panel * groups * kPanel;
     for (int64_t g = 0; g < groups; ++g) {
@@ -552,13 +557,18 @@ void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivatio
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
     float r[8][kPanel];
     for (int64_t panel = begin; panel < end; ++panel) {
-      for (int64_t m0 = 0; m0 < m; m0 += 4) {      // 5-8 rows: the panel twice, the second time from L1
-        switch (std::min<int64_t>(4, m - m0)) {
+      // 8 rows in one pass where the registers hold their sums (AVX-512's 32); else, and for 5-7
+      // rows, passes of up to 4 over the panel, the second from L1
+      for (int64_t m0 = 0; m0 < m;) {
+        const int64_t rows = m - m0 >= 8 && kWidePass ? 8 : std::min<int64_t>(4, m - m0);
+        switch (rows) {
           case 1: panel_dot<BITS, 1, G16>(p, panel, a, m0, r + m0); break;
           case 2: panel_dot<BITS, 2, G16>(p, panel, a, m0, r + m0); break;
           case 3: panel_dot<BITS, 3, G16>(p, panel, a, m0, r + m0); break;
-          default: panel_dot<BITS, 4, G16>(p, panel, a, m0, r + m0); break;
+          case 4: panel_dot<BITS, 4, G16>(p, panel, a, m0, r + m0); break;
+          default: if constexpr (kWidePass) panel_dot<BITS, 8, G16>(p, panel, a, m0, r + m0); break;
         }
+        m0 += rows;
       }
       for (int64_t row = 0; row < m; ++row)
         for (int j = 0; j < kPanel; ++j) out[row * stride + panel * kPanel + j] = static_cast<out_t>(r[row][j]);
