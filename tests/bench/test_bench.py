@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import smollm_path
 
 from twostep.bench import workloads
 from twostep.bench.stats import mean, percentile
@@ -96,3 +97,18 @@ def test_ceilings_command_bounds_a_model(tiny_model_dir, capsys):
     assert main(["bench", "ceilings", "--model", str(tiny_model_dir("llama")), "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["ceilings"]["read_bandwidth_gbs"] > 0 and r["bounds"]["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_ceilings_bound_a_quantized_file_by_its_own_bytes(capsys):
+    """The engine keeps a quantized GGUF packed, so its batch-1 bound divides the bandwidth by the
+    file's bytes per weight, not by bf16's (which would understate it ~3.5x for Q4_1)."""
+    from twostep.analysis.analyze import analyze
+
+    path = smollm_path()
+    assert main(["bench", "ceilings", "--model", str(path), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stats = analyze(str(path), hardware="this").model
+    assert stats.bytes_per_weight < 1
+    assert r["bounds"]["decode_batch1_tokens_per_s"] == pytest.approx(
+        r["ceilings"]["read_bandwidth_gbs"] * 1e9 / stats.weight_bytes)
