@@ -473,8 +473,8 @@ constexpr bool kWidePass = false;
 // activations m0.. (M rows) against one panel: result[m][j] for the panel's 8 rows. Per block, the
 // codes of a chunk widened to int16 once for all M rows; each multiplies a broadcast pair of
 // activations into int32 sums, A independent sums a row so that about eight multiply-add chains
-// are in flight (one chain waits ~4 cycles a step, and the core takes up to two a cycle: with four
-// chains a row of 4 rows ran at ~60% of that); then per group in the block (G16: two) and row one
+// are in flight (a chain waits ~4 cycles a step and the core issues up to ~1.6 a cycle; four chains,
+// as 4 rows with one sum each had, reach ~60% of that); then per group in the block (G16: two) and row one
 // conversion and two FMAs with the eight rows' scales, the zero point entering through the
 // activations' half-block sums, the mins once per group through the group sums.
 template <int BITS, int M, bool G16>
