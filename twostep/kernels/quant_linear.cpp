@@ -912,6 +912,7 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 const char* kPath = "scalar";
 constexpr bool kInt8 = false;     // no int8 product in plain C++
 constexpr bool kPanels = false;   // nor the panel layout's matrix-vector product
+constexpr bool kWidePass = false;
 
 
 #endif
@@ -1187,6 +1188,7 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at
 std::string path() { return kPath; }
 bool has_int8() { return kInt8; }
 bool has_panels() { return kPanels; }
+bool wide_pass() { return kPanels && kWidePass; }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace, as does a build with -DTWOSTEP_VARIANT=name
@@ -1231,6 +1233,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("has_panels", &has_panels, "whether this build multiplies the panel layout");
+  m.def("wide_pass", &wide_pass, "whether this build's panel product takes 8 rows in one pass");
   m.def("pack_panels", &pack_panels, "row-major planes in the panel layout: qs (with the high bits), scales, mins");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
   m.def("path", &path, "the instruction set this build uses");
