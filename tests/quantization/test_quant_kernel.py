@@ -242,14 +242,14 @@ def test_panel_layout_product(qtype, n, k, rows):
     expected = F.linear(x, weight.dequantize())
     scale = expected.abs().max().item()
     got = method.matmul(panels, x)
-    passes = rows <= method.gemv_max_rows(panels)
+    passes = rows <= method.gemv_max_rows(panels, x.dtype)
     if not passes:
         assert torch.equal(got, method.matmul(weight, x))
     torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * scale)
     torch.testing.assert_close(got, method.matmul(weight, x), rtol=0, atol=GEMV_RTOL * scale)
-    if passes:      # bf16 inputs: the float32 sums rounded once (tiles multiply in bf16)
-        half = x.bfloat16()
-        assert torch.equal(method.matmul(panels, half), method.matmul(panels, half.float()).bfloat16())
+    half = x.bfloat16()
+    if rows <= method.gemv_max_rows(panels, half.dtype):   # bf16 inputs in passes: the float32 sums rounded once
+        assert torch.equal(method.matmul(panels, half), method._gemv(panels, half.float()).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -331,15 +331,16 @@ def test_bytes_held_match_the_packed_layout(qtype, bits):
 
 
 def test_wide_pass_builds_take_more_rows_in_passes():
-    """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 rows in passes of the
-    matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles); row
-    layouts and other builds 32."""
+    """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 bf16 rows in passes
+    of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles);
+    float32 rows, row layouts and other builds 32."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
                for q in (QType.Q4_0, QType.Q8_0, QType.Q6_K)}
     for q, w in weights.items():
-        assert method.gemv_max_rows(w) == GEMV_MAX_ROWS            # the row layout
+        assert method.gemv_max_rows(w, torch.bfloat16) == GEMV_MAX_ROWS            # the row layout
+        assert method.gemv_max_rows(method.prepare(w), torch.float32) == GEMV_MAX_ROWS
     if not kernel.wide_pass():
         pytest.skip("this build has no 8-row pass (AVX2 or portable)")
-    assert [method.gemv_max_rows(method.prepare(w)) for w in weights.values()] == [64, 64, 32]
+    assert [method.gemv_max_rows(method.prepare(w), torch.bfloat16) for w in weights.values()] == [64, 64, 32]

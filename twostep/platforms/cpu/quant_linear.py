@@ -31,8 +31,10 @@ from twostep.quantization.packed import PackedWeight, QuantizedWeight
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
 INT8_ROWS = 8              # with int8 activations: from this many rows, the int8 product
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
-# the same with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-shape linears, bf16,
-# Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x for 5, 0.82x for 6)
+# the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
+# shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
+# for 5, 0.82x for 6). Float32 activations keep 32: their tiles are float32 math, which the exactness
+# tests against transformers hold a whole prompt to, where the passes' int16 activations are not.
 WIDE_GEMV_MAX_ROWS = {4: 64, 5: 48, 6: 32, 8: 64}
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
@@ -111,11 +113,12 @@ class QuantizedLinearMethod:
 
     def _plain(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """Without int8 activations: passes of the matrix-vector product, or dequantized tiles."""
-        return self._gemv(weight, x) if x.shape[0] <= self.gemv_max_rows(weight) else self._tiled(weight, x)
+        return self._gemv(weight, x) if x.shape[0] <= self.gemv_max_rows(weight, x.dtype) else self._tiled(weight, x)
 
-    def gemv_max_rows(self, weight: QuantizedWeight) -> int:
-        """The most rows that take passes of the matrix-vector product rather than dequantized tiles."""
-        if not self.kernel.wide_pass():
+    def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
+        """The most rows of `dtype` that take passes of the matrix-vector product rather than
+        dequantized tiles."""
+        if dtype == torch.float32 or not self.kernel.wide_pass():
             return GEMV_MAX_ROWS
         return min(WIDE_GEMV_MAX_ROWS.get(p.fmt.bits, GEMV_MAX_ROWS) if p.panels else GEMV_MAX_ROWS
                    for p in weight.parts)
