@@ -338,7 +338,7 @@ def test_wide_pass_builds_take_more_rows_in_passes():
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
                for q in (QType.Q4_0, QType.Q8_0, QType.Q6_K)}
-    for q, w in weights.items():
+    for w in weights.values():
         assert method.gemv_max_rows(w, torch.bfloat16) == GEMV_MAX_ROWS            # the row layout
         assert method.gemv_max_rows(method.prepare(w), torch.float32) == GEMV_MAX_ROWS
     if not kernel.wide_pass():

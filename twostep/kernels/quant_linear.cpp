@@ -1188,7 +1188,7 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at
 std::string path() { return kPath; }
 bool has_int8() { return kInt8; }
 bool has_panels() { return kPanels; }
-bool wide_pass() { return kPanels && kWidePass; }
+bool wide_pass() { return kWidePass; }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace, as does a build with -DTWOSTEP_VARIANT=name

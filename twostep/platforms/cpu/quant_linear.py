@@ -46,6 +46,7 @@ class QuantizedLinearMethod:
     def __init__(self, kernel, int8_activations: bool = False) -> None:
         self.kernel = kernel
         self.int8 = int8_activations and kernel.has_int8()
+        self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.name = f"quantized ({kernel.path()} kernel{', int8 activations from 8 rows' if self.int8 else ''})"
 
     def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
@@ -118,7 +119,7 @@ class QuantizedLinearMethod:
     def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than
         dequantized tiles."""
-        if dtype == torch.float32 or not self.kernel.wide_pass():
+        if dtype == torch.float32 or not self.wide_pass:
             return GEMV_MAX_ROWS
         return min(WIDE_GEMV_MAX_ROWS.get(p.fmt.bits, GEMV_MAX_ROWS) if p.panels else GEMV_MAX_ROWS
                    for p in weight.parts)
