@@ -108,7 +108,8 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
 def test_int8_activations_product(qtype, n, k, rows):
     """--cpu-int8-activations: from 8 rows, exactly the product of the int8-rounded activations
-    (4 to 6-bit codes; 8-bit ones keep the int16 product), and near the float one."""
+    (4 to 6-bit codes, and 8-bit ones where the build has VNNI's u8 x s8 product; elsewhere they
+    keep the int16 product), and near the float one."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
@@ -119,12 +120,14 @@ def test_int8_activations_product(qtype, n, k, rows):
     got = method.matmul(weight, x)
     expected = F.linear(x, weight.dequantize())
     scale = expected.abs().max().item()
-    if weight.parts[0].fmt.bits == 8:
+    if weight.parts[0].fmt.bits not in kernel.int8_bits():
         torch.testing.assert_close(got, QuantizedLinearMethod(kernel).matmul(weight, x), rtol=0, atol=0)
         return
     exact = F.linear(int8_activations(x).double(), weight.dequantize().double()).float()
     torch.testing.assert_close(got, exact, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(got, expected, rtol=0, atol=INT8_RTOL * scale)
+    # the panel layout the engine binds (where it fits) unpacks to the same bytes
+    assert torch.equal(method.matmul(method.prepare(weight), x), got)
     # bf16 activations: what their float32 values give, rounded once
     half = x.bfloat16()
     torch.testing.assert_close(method.matmul(weight, half), method.matmul(weight, half.float()).bfloat16(),
@@ -316,6 +319,8 @@ def test_kernel_paths_are_named():
             expected = "avx512-vnni"
         assert builds["simd"].path() == expected
         assert builds["simd"].has_int8() and builds["simd"].has_panels()
+        # 8-bit codes in the int8 product: VNNI's u8 x s8 product (vpdpbusd) sums in int32
+        assert set(builds["simd"].int8_bits()) == ({4, 5, 6} if expected == "avx2" else {4, 5, 6, 8})
     assert not builds["portable"].has_int8() and not builds["portable"].has_panels()
 
 

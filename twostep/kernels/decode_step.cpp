@@ -7,7 +7,7 @@
 // batch-1 step on a 30-layer model.
 //
 // A linear is quantized parts (one quant_gemv each into its columns; with int8 activations, from
-// 8 rows, quant_gemm_int8 for 4 to 6-bit codes, as the Python layers), a bf16 weight through the
+// 8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers), a bf16 weight through the
 // bf16 matrix-vector op, or a float weight through at::linear, each with an optional bias.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,7 +43,7 @@ struct QuantPart {
   Tensor qs, scales;
   OptTensor qh, mins;
   int64_t bits, group, zero;
-  int64_t int8_rows;   // from this many rows the int8 product (4 to 6-bit codes); 0: never
+  int64_t int8_rows;   // from this many rows the int8 product (the widths it takes); 0: never
 };
 
 class FusedLinear {
@@ -56,7 +56,6 @@ class FusedLinear {
     if (!quant_gemv_) {
       quant_gemv_ = find_op<QuantGemv>("twostep::quant_gemv");
     }
-    if (bits == 8) int8_rows = 0;
     if (int8_rows > 0 && !quant_gemm_int8_) {
       quant_gemm_int8_ = find_op<QuantGemv>("twostep::quant_gemm_int8");
     }

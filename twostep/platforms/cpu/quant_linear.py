@@ -11,9 +11,10 @@ model's dtype and multiply with oneDNN / MKL, so prefill runs at the float matmu
 dequantisation, which those rows share. An embedding dequantizes only the rows it looks up.
 
 With int8 activations (--cpu-int8-activations, off by default), inputs of INT8_ROWS rows or more
-take the kernel's int8 product instead, for 4 to 6-bit codes: activations quantized per block of
-32 to int8 as llama.cpp quantizes them for its products. On an AVX2 EPYC it is 1.5-2x MKL's float32
-GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows, but its rounding (a step of
+take the kernel's int8 product instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI):
+activations quantized per block of 32 to int8 as llama.cpp quantizes them for its products. On an
+AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64
+rows; on a Zen 4 with VNNI 1.0x the passes at 8 rows, 1.3x at 16, 1.5-1.7x at 32; but its rounding (a step of
 max|x| / 127 per block) is noise enough to flip a close top token: the default SmolLM2 file's
 answer to "What is the capital of France?" starts "L'Étoile" with it (a 0.08-nat lead of "The"
 lost), "The capital of France is Paris." without.
@@ -46,6 +47,7 @@ class QuantizedLinearMethod:
     def __init__(self, kernel, int8_activations: bool = False) -> None:
         self.kernel = kernel
         self.int8 = int8_activations and kernel.has_int8()
+        self.int8_bits = frozenset(kernel.int8_bits()) if self.int8 else frozenset()   # code widths it takes
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.name = f"quantized ({kernel.path()} kernel{', int8 activations from 8 rows' if self.int8 else ''})"
 
@@ -86,7 +88,7 @@ class QuantizedLinearMethod:
             return None
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if self.int8 else 0)
+            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if part.fmt.bits in self.int8_bits else 0)
         return linear, GEMV_ROWS
 
     @property
@@ -100,12 +102,13 @@ class QuantizedLinearMethod:
         return self._int8(weight, x) if self.int8 and x.shape[0] >= INT8_ROWS else self._plain(weight, x)
 
     def _int8(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """The int8 product for parts of 4 to 6-bit codes; 8-bit ones as without it."""
+        """The int8 product for parts of the code widths it takes (4 to 6 bits; 8 too with VNNI);
+        others as without it."""
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
         start = 0
         for part in weight.parts:
             columns = out[:, start:start + part.n]
-            if part.fmt.bits == 8:
+            if part.fmt.bits not in self.int8_bits:
                 columns.copy_(self._plain(QuantizedWeight((part,)), x))
             else:
                 self.kernel.gemm_int8(x, *part.planes(), *_format_args(part), columns)
