@@ -6,7 +6,8 @@ first token replaced by BOS, and only the second half of each chunk scored.
 
 twostep's figure comes from prompt logprobs (one request per chunk), through the same kernels as
 serving (chunks of more than 32 rows: dequantized tiles; --decode-path scores with forwards of at
-most 32 rows, i.e. through the matrix-vector kernel). llama-perplexity is found as compare.py finds
+most 32 rows, i.e. through the matrix-vector kernel; --int8-activations through the int8 product,
+llama.cpp's own activation precision). llama-perplexity is found as compare.py finds
 llama.cpp's tools ($LLAMA_CPP_BIN_DIR, /work/peers/llama.cpp-build/bin, PATH).
 """
 from __future__ import annotations
@@ -29,13 +30,13 @@ def llama_perplexity_bin() -> str | None:
 
 
 def twostep_perplexity(path: str, text: str, ctx: int, chunks: int | None, threads: int,
-                       decode_path: bool) -> tuple[float, int, float]:
+                       decode_path: bool, int8_activations: bool = False) -> tuple[float, int, float]:
     from twostep import LLM, SamplingParams
     from twostep.platforms.cpu.quant_linear import GEMV_MAX_ROWS
 
     extra = {"max_num_batched_tokens": GEMV_MAX_ROWS} if decode_path else {}
     llm = LLM(path, dtype="float32", num_threads=threads, enable_prefix_caching=False,
-              kv_cache_memory="512MiB", max_model_len=ctx + 1, **extra)
+              kv_cache_memory="512MiB", max_model_len=ctx + 1, cpu_int8_activations=int8_activations, **extra)
     engine = llm.engine
     tokens = engine.tokenizer.encode(text, add_special_tokens=True)
     bos = engine.model_config.bos_token_id if hasattr(engine.model_config, "bos_token_id") else None
@@ -82,9 +83,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-path", action="store_true")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="twostep with --cpu-int8-activations (activations rounded to int8 as llama.cpp does)")
     args = ap.parse_args()
     text = Path(args.text).read_text()
-    ppl, n, seconds = twostep_perplexity(args.gguf, text, args.ctx, args.chunks, args.threads, args.decode_path)
+    ppl, n, seconds = twostep_perplexity(args.gguf, text, args.ctx, args.chunks, args.threads, args.decode_path,
+                                         args.int8_activations)
     print(f"twostep:   PPL {ppl:.4f} over {n} chunks of {args.ctx} ({seconds:.1f} s)")
     binary = llama_perplexity_bin()
     if binary is None:

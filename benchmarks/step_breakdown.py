@@ -205,10 +205,12 @@ def main() -> None:
                     help="also the Python layers and the PyTorch ops, interleaved")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the weight-stream bound")
     ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
+    ap.add_argument("--int8-activations", action="store_true", help="the engine's --cpu-int8-activations")
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each sequence's prompt")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
-              kv_cache_memory="256MiB")
-    prompts = [[100 + 7 * i + j for j in range(16)] for i in range(args.batch)]
+              kv_cache_memory="256MiB", cpu_int8_activations=args.int8_activations)
+    prompts = [[100 + 7 * i + j for j in range(args.prompt_len)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     clock = StepClock()
