@@ -13,7 +13,8 @@
 //   int8, as llama.cpp quantizes them for its products (a step of max|x| / 127 a block: about
 //   bf16's precision at best, enough noise to flip a close top token), a panel of 8 weight rows
 //   unpacked to bytes once for every row of x, u8 x s8 multiply-adds (VNNI's vpdpbusd in int32,
-//   8 rows a tile on AVX-512; AVX2's vpmaddubsw with int16 sums). On an AVX2 EPYC: 1.5-2x MKL's
+//   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
+//   sums). On an AVX2 EPYC: 1.5-2x MKL's
 //   float32 GEMM on the dequantized weights at 512 rows, 2-3.5x gemv's passes at 8-64 rows; on a
 //   Zen 4 (VNNI): 1.0x the 16-bit passes at 8 rows, 1.3x at 16, 1.5-1.7x at 32, 1.25x bf16 tiles
 //   at 512.
