@@ -14,10 +14,9 @@
 //   bf16's precision at best, enough noise to flip a close top token), a panel of 8 weight rows
 //   unpacked to bytes once for every row of x, u8 x s8 multiply-adds (VNNI's vpdpbusd in int32,
 //   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
-//   sums). On an AVX2 EPYC: 1.5-2x MKL's
-//   float32 GEMM on the dequantized weights at 512 rows, 2-3.5x gemv's passes at 8-64 rows; on a
-//   Zen 4 (VNNI): 1.0x the 16-bit passes at 8 rows, 1.3x at 16, 1.5-1.7x at 32, 1.25x bf16 tiles
-//   at 512.
+//   sums). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on the dequantized weights at 512 rows,
+//   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.0x the 16-bit passes at 8 rows, 1.3x at
+//   16, 1.5-1.7x at 32, 1.25x bf16 tiles at 512.
 // The panel layout (the SIMD build's, for every format with n a multiple of 8; pack_panels makes it
 //   from the row layout at load): kPanel = 8 weight rows stored together block by block, so a 1-8
 //   row product gets eight output columns in the eight int32 lanes of its vectors without a
@@ -856,15 +855,16 @@ inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* sca
     for (int h = 0; h < kHalves; ++h) {
       typename L::I sum[R];
       for (int r = 0; r < R; ++r) sum[r] = L::zero();
-      for (int s = h * kSteps; kDpbusd && s < (h + 1) * kSteps; ++s) {
-        const typename L::I w = L::codes(wb + 32 * s, code_next);
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, x[r] + b * kBlock + 4 * s, 4);
-          sum[r] = L::dot(sum[r], w, four);
+      if constexpr (kDpbusd) {
+        for (int s = h * kSteps; s < (h + 1) * kSteps; ++s) {
+          const typename L::I w = L::codes(wb + 32 * s, code_next);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, x[r] + b * kBlock + 4 * s, 4);
+            sum[r] = L::dot(sum[r], w, four);
+          }
         }
-      }
-      if constexpr (!kDpbusd) {
+      } else {
         static_assert(P == 1, "panel pairs need VNNI");
         const __m256i ones = _mm256_set1_epi16(1);
         for (int f = 0; f < kSteps; f += F) {
@@ -1313,13 +1313,13 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at
 }
 
 std::string path() { return kPath; }
-bool has_int8() { return kInt8; }
 // the code widths the int8 product takes here: 8-bit codes need VNNI's u8 x s8 product in int32
 std::vector<int64_t> int8_bits() {
   if (!kInt8) return {};
   if (kDpbusd) return {4, 5, 6, 8};
   return {4, 5, 6};
 }
+bool has_int8() { return !int8_bits().empty(); }
 bool has_panels() { return kPanels; }
 bool wide_pass() { return kWidePass; }
 
