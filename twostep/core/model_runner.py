@@ -191,8 +191,7 @@ class ModelRunner:
         sampling = list(rows.sample_index.items())
         if sampling:
             sample_rows = [_sampling_row(items[i]) for i, _ in sampling]
-            picked = logits[torch.tensor([r for _, r in sampling], device=logits.device)]
-            out = self.sampler(picked, sample_rows)
+            out = self.sampler(_pick_rows(logits, [r for _, r in sampling]), sample_rows)
             for k, (i, _) in enumerate(sampling):
                 results[i].token_ids = [out.token_ids[k]]
                 results[i].logprobs = [out.logprobs[k]]
@@ -213,6 +212,15 @@ class ModelRunner:
         for i, v in zip(verify_rows, verified):
             results[i].token_ids, results[i].num_accepted = v.token_ids, v.num_accepted
             results[i].logprobs = v.logprobs
+
+
+def _pick_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a view when the rows run consecutively (a decode batch: every row, in order),
+    else a copy. The sampler never writes to its input, so the view is safe; a batch of 32 rows of
+    a 152k vocabulary is 19 MB not copied each step."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0]:rows[0] + len(rows)]
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
