@@ -15,8 +15,8 @@
 //   unpacked to bytes once for every row of x, u8 x s8 multiply-adds (VNNI's vpdpbusd in int32,
 //   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
 //   sums). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on the dequantized weights at 512 rows,
-//   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.0x the 16-bit passes at 8 rows, 1.3x at
-//   16, 1.5-1.7x at 32, 1.25x bf16 tiles at 512.
+//   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.2-1.3x the 16-bit passes at 8 rows,
+//   2.0-2.1x at 32, 1.25x bf16 tiles at 512.
 // The panel layout (the SIMD build's, for every format with n a multiple of 8; pack_panels makes it
 //   from the row layout at load): kPanel = 8 weight rows stored together block by block, so a 1-8
 //   row product gets eight output columns in the eight int32 lanes of its vectors without a
