@@ -681,28 +681,32 @@ inline void transpose8(const __m256i c[8], __m256i out[8]) {
   }
 }
 
-// A block of the panel layout as the int8 product's panel: c[s]'s lane j = codes 4s .. 4s + 3 of
+// Step s of a block of the panel layout as the int8 product takes it: lane j = codes 4s .. 4s + 3 of
 // the panel's row j, as bytes (4-6-bit: unsigned; 8-bit: signed)
 template <int BITS>
-inline void panel_quads(const uint8_t* block, __m256i c[8]) {
+inline __m256i panel_quad(const uint8_t* block, int s) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int s = 0; s < 8; ++s) {
-    __m128i first, second;        // row j's codes 4s, 4s + 1 at 16-bit unit j, and 4s + 2, 4s + 3
-    if constexpr (BITS == 8) {
-      first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s));
-      second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s + 16));
-    } else {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * s));
-      first = _mm_and_si128(v, nibble);
-      second = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-      if constexpr (BITS > 4) {
-        constexpr int P = high_chunks(BITS);
-        const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (s / P)));
-        add_high<BITS>(s % P, first, second, high);
-      }
+  __m128i first, second;        // row j's codes 4s, 4s + 1 at 16-bit unit j, and 4s + 2, 4s + 3
+  if constexpr (BITS == 8) {
+    first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s));
+    second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s + 16));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * s));
+    first = _mm_and_si128(v, nibble);
+    second = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    if constexpr (BITS > 4) {
+      constexpr int P = high_chunks(BITS);
+      const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (s / P)));
+      add_high<BITS>(s % P, first, second, high);
     }
-    c[s] = _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
   }
+  return _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
+}
+
+// A whole block: c[s] = panel_quad(block, s)
+template <int BITS>
+inline void panel_quads(const uint8_t* block, __m256i c[8]) {
+  for (int s = 0; s < 8; ++s) c[s] = panel_quad<BITS>(block, s);
 }
 
 // The int8 product multiplies unsigned codes: 8-bit ones shifted by kCodeBias (code + 128), which
@@ -711,9 +715,14 @@ template <int BITS>
 constexpr int kCodeBias = BITS == 8 ? 128 : 0;
 
 template <int BITS>
+inline __m256i unsigned_code(__m256i c) {
+  if constexpr (BITS == 8) return _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return c;
+}
+
+template <int BITS>
 inline void unsigned_codes(__m256i c[8]) {
-  if constexpr (BITS == 8)
-    for (int s = 0; s < 8; ++s) c[s] = _mm256_xor_si256(c[s], _mm256_set1_epi8(static_cast<char>(0x80)));
+  for (int s = 0; s < 8; ++s) c[s] = unsigned_code<BITS>(c[s]);
 }
 
 // The 8 rows of a panel's block as floats, row j at out + j * stride: scale * code + offset, with
@@ -795,8 +804,10 @@ struct PanelLanes<1> {
   static I zero() { return _mm256_setzero_si256(); }
   static V zero_floats() { return _mm256_setzero_ps(); }
   static I codes(const uint8_t* w, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
+  static I join(__m256i first, __m256i) { return first; }
   static I dot(I acc, I w, int32_t four) { return dot8(acc, w, _mm256_set1_epi32(four)); }
   static V floats(const float* v, int64_t) { return _mm256_loadu_ps(v); }
+  static V join_floats(__m256 first, __m256) { return first; }
   static V to_floats(I v) { return _mm256_cvtepi32_ps(v); }
   static V splat(float x) { return _mm256_set1_ps(x); }
   static V times(V v, float x) { return _mm256_mul_ps(v, splat(x)); }
@@ -813,11 +824,15 @@ struct PanelLanes<2> {
   static I zero() { return _mm512_setzero_si512(); }
   static V zero_floats() { return _mm512_setzero_ps(); }
   static I codes(const uint8_t* w, int64_t next) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(PanelLanes<1>::codes(w, 0)), PanelLanes<1>::codes(w + next, 0), 1);
+    return join(PanelLanes<1>::codes(w, 0), PanelLanes<1>::codes(w + next, 0));
+  }
+  static I join(__m256i first, __m256i second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
   }
   static I dot(I acc, I w, int32_t four) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(four)); }
-  static V floats(const float* v, int64_t next) {
-    const __m256d lo = _mm256_castps_pd(_mm256_loadu_ps(v)), hi = _mm256_castps_pd(_mm256_loadu_ps(v + next));
+  static V floats(const float* v, int64_t next) { return join_floats(_mm256_loadu_ps(v), _mm256_loadu_ps(v + next)); }
+  static V join_floats(__m256 first, __m256 second) {
+    const __m256d lo = _mm256_castps_pd(first), hi = _mm256_castps_pd(second);
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
   }
   static V to_floats(I v) { return _mm512_cvtepi32_ps(v); }
@@ -830,13 +845,56 @@ struct PanelLanes<2> {
 constexpr bool kPanelPairs = false;
 #endif
 
+// Where a tile's codes, scales and offsets come from, for P panels side by side: a chunk unpacked
+// into memory, which every row tile of the chunk passes over again (Unpacked; the second panel's
+// codes code_next bytes after the first's, its scales and offsets float_next floats after), or the
+// panel layout itself, decoded step by step in registers as the tile multiplies (Packed): with a
+// single row tile nothing is reused, and the weights' read overlaps the multiplies instead of
+// preceding them (a chunk's unpacking, which is the read from memory, took 41% of an 8-row product)
+template <int BITS, int P>
+struct Unpacked {
+  using L = PanelLanes<P>;
+  const uint8_t* codes_;
+  int64_t code_next;
+  const float* scales_;
+  const float* offsets_;
+  int64_t float_next;
+  typename L::I codes(int64_t b, int s) const { return L::codes(codes_ + b * kPanelBytes + 32 * s, code_next); }
+  typename L::V scales(int64_t g) const { return L::floats(scales_ + g * kPanel, float_next); }
+  typename L::V offsets(int64_t g) const { return L::floats(offsets_ + g * kPanel, float_next); }
+};
+
+template <int BITS, int P>
+struct Packed {
+  using L = PanelLanes<P>;
+  const Planes& p;
+  int64_t panel;                  // the first of the P panels
+  const uint8_t* block(int i, int64_t b) const {
+    return p.qs + ((panel + i) * (p.k / kBlock) + b) * panel_block(BITS);
+  }
+  __m256 halves(const at::Half* h, int i, int64_t g) const {    // panel i's 8 values of group g
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + p.scale_at((panel + i) * kPanel, g))));
+  }
+  __m256 offset(int i, int64_t g) const {         // as unpack_panel computes it
+    const __m256 min = p.mins ? halves(p.mins, i, g) : _mm256_setzero_ps();
+    return _mm256_fnmadd_ps(_mm256_set1_ps(p.zero + kCodeBias<BITS>), halves(p.scales, i, g), min);
+  }
+  typename L::I codes(int64_t b, int s) const {
+    return L::join(unsigned_code<BITS>(panel_quad<BITS>(block(0, b), s)),
+                   P > 1 ? unsigned_code<BITS>(panel_quad<BITS>(block(1, b), s)) : __m256i{});
+  }
+  typename L::V scales(int64_t g) const {
+    return L::join_floats(halves(p.scales, 0, g), P > 1 ? halves(p.scales, 1, g) : __m256{});
+  }
+  typename L::V offsets(int64_t g) const { return L::join_floats(offset(0, g), P > 1 ? offset(1, g) : __m256{}); }
+};
+
 // out[r, j] for R rows from m0 and P panels' 8 P columns (the second panel's codes code_next bytes
 // after the first's, its scales and offsets float_next floats after). Without VNNI (one panel):
 // F steps of 4 codes the int16 sums take before they could overflow (2 * F * max code * 128 <=
 // 32767). A group of 16 changes scale mid-block.
-template <int BITS, int R, bool G16, int P, typename out_t>
-inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* scales, const float* offsets,
-                       int64_t float_next, const Int8Activations& a, int64_t m0, int64_t k, int64_t group,
+template <int BITS, int R, bool G16, int P, typename Source, typename out_t>
+inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, int64_t k, int64_t group,
                        bool offset, out_t* out, int64_t stride, int cols) {
   using L = PanelLanes<P>;
   constexpr int F = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
@@ -851,14 +909,13 @@ inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* sca
     acc[r] = L::zero_floats();
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = codes + b * kPanelBytes;
     for (int h = 0; h < kHalves; ++h) {
       typename L::I sum[R];
       for (int r = 0; r < R; ++r) sum[r] = L::zero();
       if constexpr (kDpbusd) {
 #pragma GCC unroll 8
         for (int s = h * kSteps; s < (h + 1) * kSteps; ++s) {
-          const typename L::I w = L::codes(wb + 32 * s, code_next);
+          const typename L::I w = src.codes(b, s);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             int32_t four;
@@ -873,7 +930,7 @@ inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* sca
           __m256i t[R];
           for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
           for (int s = h * kSteps + f; s < h * kSteps + f + F; ++s) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+            const __m256i w = src.codes(b, s);
             for (int r = 0; r < R; ++r) {
               int32_t four;
               std::memcpy(&four, x[r] + b * kBlock + 4 * s, 4);
@@ -884,13 +941,13 @@ inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* sca
         }
       }
       const int64_t g = G16 ? 2 * b + h : (b * kBlock) / group;
-      const typename L::V d = L::floats(scales + g * kPanel, float_next);
+      const typename L::V d = src.scales(g);
       for (int r = 0; r < R; ++r) acc[r] = L::fmadd(L::to_floats(sum[r]), L::times(d, xd[r][b]), acc[r]);
     }
   }
   if (offset) {
     for (int64_t g = 0; g < groups; ++g) {
-      const typename L::V o = L::floats(offsets + g * kPanel, float_next);
+      const typename L::V o = src.offsets(g);
       for (int r = 0; r < R; ++r) acc[r] = L::fmadd(o, L::splat(a.group_sums[(m0 + r) * groups + g]), acc[r]);
     }
   }
@@ -904,29 +961,55 @@ inline void panel_tile(const uint8_t* codes, int64_t code_next, const float* sca
 }
 
 // panel_tile for 1 to R rows
-template <int BITS, bool G16, int R, int P, typename out_t>
-inline void panel_tile_rows(int64_t rows, const uint8_t* codes, int64_t code_next, const float* scales,
-                            const float* offsets, int64_t float_next, const Int8Activations& a, int64_t m0, int64_t k,
+template <int BITS, bool G16, int R, int P, typename Source, typename out_t>
+inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activations& a, int64_t m0, int64_t k,
                             int64_t group, bool offset, out_t* out, int64_t stride, int cols) {
   if constexpr (R > 1) {
-    if (rows < R)
-      return panel_tile_rows<BITS, G16, R - 1, P>(rows, codes, code_next, scales, offsets, float_next, a, m0, k,
-                                                   group, offset, out, stride, cols);
+    if (rows < R) return panel_tile_rows<BITS, G16, R - 1, P>(rows, src, a, m0, k, group, offset, out, stride, cols);
   }
-  panel_tile<BITS, R, G16, P>(codes, code_next, scales, offsets, float_next, a, m0, k, group, offset, out, stride, cols);
+  panel_tile<BITS, R, G16, P>(src, a, m0, k, group, offset, out, stride, cols);
 }
 
 template <int BITS, bool G16, typename out_t>
 void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  // a chunk of panels unpacked at once, sized for the L2 cache; every row tile passes over it
-  const int64_t code_next = nb * kPanelBytes, float_next = groups * kPanel;   // one panel's codes, floats
-  const int64_t per_chunk = std::max<int64_t>(1, (192 << 10) / code_next);
-  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
   const bool offset = p.mins || p.zero || kCodeBias<BITS>;
   // rows a tile: with VNNI each row's sum is one chain of vpdpbusd, and AVX-512's 32 registers hold 8
   constexpr int kRows = kDpbusd && kWidePass ? 8 : 4;
+  // panels first .. first + count - 1 against every row, in tiles of kRows rows and, where the build
+  // has them, pairs of panels; source(i, lanes) is the tile's Source for panel first + i
+  auto tiles = [&](int64_t first, int64_t count, auto&& source) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - m0);
+      for (int64_t i = 0; i < count;) {
+        const int64_t n0 = (first + i) * kPanel;
+        if constexpr (kPanelPairs) {
+          if (i + 1 < count) {
+            const int cols = static_cast<int>(std::min<int64_t>(2 * kPanel, n - n0));
+            panel_tile_rows<BITS, G16, kRows, 2>(rows, source(i, std::integral_constant<int, 2>{}), a, m0, k, p.group,
+                                                 offset, out + n0, stride, cols);
+            i += 2;
+            continue;
+          }
+        }
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
+        panel_tile_rows<BITS, G16, kRows, 1>(rows, source(i, std::integral_constant<int, 1>{}), a, m0, k, p.group,
+                                             offset, out + n0, stride, cols);
+        i += 1;
+      }
+    }
+  };
+  if (p.panels && m <= kRows) {        // one row tile: the codes decoded in registers
+    at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+      tiles(begin, end - begin, [&](int64_t i, auto lanes) { return Packed<BITS, decltype(lanes)::value>{p, begin + i}; });
+    });
+    return;
+  }
+  // else a chunk of panels unpacked at once, sized for the L2 cache; every row tile passes over it
+  const int64_t code_next = nb * kPanelBytes, float_next = groups * kPanel;   // one panel's codes, floats
+  const int64_t per_chunk = std::max<int64_t>(1, (192 << 10) / code_next);
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(per_chunk * code_next);
     std::vector<float> scales(per_chunk * float_next), offsets(per_chunk * float_next);
@@ -935,28 +1018,11 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
       for (int64_t i = 0; i < count; ++i)
         unpack_panel<BITS>(p, n, (first + i) * kPanel, codes.data() + i * code_next, scales.data() + i * float_next,
                            offsets.data() + i * float_next);
-      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, m - m0);
-        for (int64_t i = 0; i < count;) {
-          const int64_t n0 = (first + i) * kPanel;
-          const uint8_t* w = codes.data() + i * code_next;
-          const float* s = scales.data() + i * float_next;
-          const float* o = offsets.data() + i * float_next;
-          if constexpr (kPanelPairs) {
-            if (i + 1 < count) {
-              const int cols = static_cast<int>(std::min<int64_t>(2 * kPanel, n - n0));
-              panel_tile_rows<BITS, G16, kRows, 2>(rows, w, code_next, s, o, float_next, a, m0, k, p.group, offset,
-                                                   out + n0, stride, cols);
-              i += 2;
-              continue;
-            }
-          }
-          const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
-          panel_tile_rows<BITS, G16, kRows, 1>(rows, w, code_next, s, o, float_next, a, m0, k, p.group, offset,
-                                               out + n0, stride, cols);
-          i += 1;
-        }
-      }
+      tiles(first, count, [&](int64_t i, auto lanes) {
+        return Unpacked<BITS, decltype(lanes)::value>{codes.data() + i * code_next, code_next,
+                                                      scales.data() + i * float_next, offsets.data() + i * float_next,
+                                                      float_next};
+      });
     }
   });
 }
