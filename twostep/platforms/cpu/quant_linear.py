@@ -14,8 +14,8 @@ With int8 activations (--cpu-int8-activations, off by default), inputs of INT8_R
 take the kernel's int8 product instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI):
 activations quantized per block of 32 to int8 as llama.cpp quantizes them for its products. On an
 AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64
-rows; on a Zen 4 with VNNI ~1.4x the passes at 8 rows (one row tile, reading the panel layout in
-place), 2.0-2.1x at 32 (benchmarks/RESULTS.md); but its rounding (a step of
+rows; on a Zen 4 with VNNI 1.2-1.3x the passes at 8 rows before one row tile read the panel layout in
+place (which made 8 rows 1.17-1.2x faster), 2.0-2.1x at 32 (benchmarks/RESULTS.md); but its rounding (a step of
 max|x| / 127 per block) is noise enough to flip a close top token: the default SmolLM2 file's
 answer to "What is the capital of France?" starts "L'Étoile" with it (a 0.08-nat lead of "The"
 lost), "The capital of France is Paris." without.
