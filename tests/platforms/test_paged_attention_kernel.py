@@ -65,6 +65,23 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
     assert (got[rows].float() - expected[rows].float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_bf16_queries_give_the_float32_result_rounded(head_dim):
+    """The kernel reads bf16 queries into float32 and writes its output in their dtype: exactly a
+    conversion before and after (the decode stack saves those two copies a layer)."""
+    kernel = kernel_or_skip()
+    g = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, 6, 16, 2, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, 6, head_dim, generator=g).to(torch.bfloat16)
+    plan = (torch.tensor([[0, 1], [2, 2]]), torch.tensor([2, 1]), cache, torch.tensor([[1, 3], [5, 0]]),
+            torch.tensor([30, 9]))
+    got = kernel.paged_decode_attention(q, *plan[:2], *plan[2:], 0.125)
+    expected = kernel.paged_decode_attention(q.float(), *plan[:2], *plan[2:], 0.125)
+    assert got.dtype == torch.bfloat16 and expected.dtype == torch.float32
+    assert torch.equal(got, expected.to(torch.bfloat16))
+    assert got[1, 1].eq(0).all()                  # the padded row past q_len stays zero
+
+
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_engine_is_token_exact_with_each_backend(reference, backend):   # noqa: F811
     folder, prompts, expected = reference

@@ -171,19 +171,23 @@ inline void softmax(float* s, int64_t n, int64_t len) {
 }
 
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
-// DIM == 0: any head size, given at run time.
-template <typename T, int64_t DIM>
-void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_lens, int64_t max_q,
+// DIM == 0: any head size, given at run time. Q: the queries' and the output's dtype (float32, or
+// bf16 read into float32 rows and written back rounded, as a conversion before and after would).
+template <typename T, int64_t DIM, typename Q>
+void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens, int64_t max_q,
                       const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
                       const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
-                      int64_t run_dim, int64_t block_size, float scale, float* out) {
+                      int64_t run_dim, int64_t block_size, float scale, Q* out) {
+  constexpr bool kFloat = std::is_same_v<Q, float>;
   const int64_t dim = DIM > 0 ? DIM : run_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, tile(TILE * dim);
+    std::vector<float> q_rows, out_rows;                   // a bf16 task's rows in float32
     std::vector<const float*> queries;
     std::vector<float*> outs;
+    std::vector<Q*> targets;                               // where a bf16 task's rows go
     std::vector<int64_t> limits;                           // the last key each row may see
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
@@ -192,11 +196,25 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
       scores.resize(rows * stride);                        // every entry is written below
       queries.resize(rows);
       outs.resize(rows);
+      targets.resize(rows);
       limits.resize(rows);
+      if constexpr (!kFloat) {
+        q_rows.resize(rows * dim);
+        out_rows.assign(rows * dim, 0.0f);
+      }
       for (int64_t r = 0; r < rows; ++r) {                 // row r: query token r / group, head h * group + r % group
         const int64_t i = r / group, head = h * group + r % group;
-        queries[r] = q + (q_index[b * max_q + i] * heads + head) * dim;
-        outs[r] = out + ((b * max_q + i) * heads + head) * dim;
+        const Q* query = q + (q_index[b * max_q + i] * heads + head) * dim;
+        Q* target = out + ((b * max_q + i) * heads + head) * dim;
+        if constexpr (kFloat) {
+          queries[r] = query;
+          outs[r] = target;
+        } else {
+          to_float(query, q_rows.data() + r * dim, dim);
+          queries[r] = q_rows.data() + r * dim;
+          outs[r] = out_rows.data() + r * dim;
+          targets[r] = target;
+        }
         limits[r] = len - nq + i;
       }
       const int64_t* table = tables + b * table_stride;
@@ -209,6 +227,10 @@ void decode_attention(const float* q, const int64_t* q_index, const int64_t* q_l
                     [&](int64_t j, int64_t n, const float* values) {
         for (int64_t r = 0; r < rows; ++r) tile_accumulate<DIM>(outs[r], &scores[r * stride + j], values, n, dim);
       });
+      if constexpr (!kFloat) {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < dim; ++d) targets[r][d] = static_cast<Q>(outs[r][d]);
+      }
     }
   });
 }
@@ -243,14 +265,16 @@ void check_plan(const torch::Tensor& q, const torch::Tensor& q_index, const torc
   }
 }
 
-// q [T, H, D] float32; q_index [B, Q] int64 (rows of q, padded with the last); q_lens, seq_lens [B]
-// int64; cache [2, num_blocks, block_size, Hkv, D] float32 or bfloat16; tables [B, n] int64.
-// Returns [B, Q, H, D] float32 (rows past a sequence's q_len are zeros).
+// q [T, H, D] float32 or bfloat16; q_index [B, Q] int64 (rows of q, padded with the last); q_lens,
+// seq_lens [B] int64; cache [2, num_blocks, block_size, Hkv, D] float32 or bfloat16; tables [B, n]
+// int64. Returns [B, Q, H, D] in q's dtype (rows past a sequence's q_len are zeros); the math is
+// float32 either way.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, torch::Tensor q_lens,
                                      torch::Tensor cache, torch::Tensor tables, torch::Tensor seq_lens,
                                      double scale) {
   RECORD_FUNCTION("twostep::paged_decode_attention", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kFloat, "q: contiguous float32");
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
+              "q: contiguous float32 or bfloat16");
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache: contiguous [2, blocks, bs, Hkv, D]");
   TORCH_CHECK(tables.is_contiguous() && q_index.is_contiguous(), "tables, q_index: contiguous");
   const int64_t batch = q_index.size(0), max_q = q_index.size(1), heads = q.size(1), dim = q.size(2);
@@ -258,20 +282,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   check_plan(q, q_index, q_lens, cache, tables, seq_lens);
   auto out = torch::zeros({batch, max_q, heads, dim}, q.options());
   const int64_t half = cache.size(1) * block_size * kv_heads * dim;
-  auto run = [&](auto* base) {
+  auto run = [&](auto* base, auto* queries) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
-    auto kernel = dim == 64 ? decode_attention<T, 64> : dim == 128 ? decode_attention<T, 128>
-                                                                    : decode_attention<T, 0>;
-    kernel(q.data_ptr<float>(), q_index.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), max_q,
-                     base, base + half, tables.data_ptr<int64_t>(), tables.size(1),
-                     seq_lens.data_ptr<int64_t>(), batch, heads, kv_heads, dim, block_size,
-                     static_cast<float>(scale), out.data_ptr<float>());
+    using Q = std::remove_pointer_t<decltype(queries)>;
+    auto kernel = dim == 64 ? decode_attention<T, 64, Q> : dim == 128 ? decode_attention<T, 128, Q>
+                                                                       : decode_attention<T, 0, Q>;
+    kernel(queries, q_index.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), max_q,
+           base, base + half, tables.data_ptr<int64_t>(), tables.size(1),
+           seq_lens.data_ptr<int64_t>(), batch, heads, kv_heads, dim, block_size,
+           static_cast<float>(scale), out.data_ptr<Q>());
+  };
+  auto with_queries = [&](auto* base) {
+    if (q.scalar_type() == torch::kFloat) {
+      run(base, q.data_ptr<float>());
+    } else {
+      run(base, q.data_ptr<at::BFloat16>());
+    }
   };
   if (cache.scalar_type() == torch::kFloat) {
-    run(cache.data_ptr<float>());
+    with_queries(cache.data_ptr<float>());
   } else {
     TORCH_CHECK(cache.scalar_type() == torch::kBFloat16, "cache: float32 or bfloat16");
-    run(cache.data_ptr<at::BFloat16>());
+    with_queries(cache.data_ptr<at::BFloat16>());
   }
   return out;
 }
