@@ -73,10 +73,11 @@ def test_bf16_queries_give_the_float32_result_rounded(head_dim):
     g = torch.Generator().manual_seed(head_dim)
     cache = torch.randn(2, 6, 16, 2, head_dim, generator=g).to(torch.bfloat16)
     q = torch.randn(3, 6, head_dim, generator=g).to(torch.bfloat16)
+    # two sequences: the first verifies a draft (two query rows), the second decodes one (its row 1 is padding)
     plan = (torch.tensor([[0, 1], [2, 2]]), torch.tensor([2, 1]), cache, torch.tensor([[1, 3], [5, 0]]),
             torch.tensor([30, 9]))
-    got = kernel.paged_decode_attention(q, *plan[:2], *plan[2:], 0.125)
-    expected = kernel.paged_decode_attention(q.float(), *plan[:2], *plan[2:], 0.125)
+    got = kernel.paged_decode_attention(q, *plan, 0.125)
+    expected = kernel.paged_decode_attention(q.float(), *plan, 0.125)
     assert got.dtype == torch.bfloat16 and expected.dtype == torch.float32
     assert torch.equal(got, expected.to(torch.bfloat16))
     assert got[1, 1].eq(0).all()                  # the padded row past q_len stays zero
