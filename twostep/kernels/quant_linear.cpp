@@ -571,6 +571,21 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(result[m], acc[m]);
 }
 
+// A panel's 8 sums into the output row: float32 as they are, bf16 rounded to nearest even in one
+// instruction where the CPU has AVX512-BF16 (what the scalar conversion gives, for every finite sum)
+template <typename out_t>
+inline void store_panel(const float* sums, out_t* out) {
+  if constexpr (std::is_same_v<out_t, float>) {
+    _mm256_storeu_ps(out, _mm256_loadu_ps(sums));
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  } else if constexpr (std::is_same_v<out_t, at::BFloat16>) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(sums)));
+#endif
+  } else {
+    for (int j = 0; j < kPanel; ++j) out[j] = static_cast<out_t>(sums[j]);
+  }
+}
+
 template <int BITS, bool G16, typename out_t>
 void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
@@ -589,8 +604,7 @@ void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivatio
         }
         m0 += rows;
       }
-      for (int64_t row = 0; row < m; ++row)
-        for (int j = 0; j < kPanel; ++j) out[row * stride + panel * kPanel + j] = static_cast<out_t>(r[row][j]);
+      for (int64_t row = 0; row < m; ++row) store_panel(r[row], out + row * stride + panel * kPanel);
     }
   });
 }
