@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from twostep.sample.argmax import first_argmax
 from twostep.sample.sampler import Sampler, SamplingRow, _sample_logprobs, apply_penalties
 from twostep.outputs import PositionLogprobs
 
@@ -59,7 +60,7 @@ class RejectionSampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} verified positions")
         raw = logits.float()
         x = apply_penalties(raw, rows)
-        argmax = x.argmax(dim=-1).tolist()
+        argmax = first_argmax(x).tolist()
         probs = self._target_probs(x, rows)
         out: list[Verified] = []
         offset = 0
@@ -134,7 +135,7 @@ def draft_sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]
     """A draft model's pick for each row, with the distribution it drew from (None for greedy
     rows, which take the argmax of the penalised logits as the target will)."""
     x = apply_penalties(logits.float(), rows)
-    tokens = x.argmax(dim=-1).tolist()
+    tokens = first_argmax(x).tolist()
     dists: list[torch.Tensor | None] = [None] * len(rows)
     sampled, p = sampled_probs(sampler, x, rows)
     for j, i in enumerate(sampled):

@@ -64,6 +64,7 @@ from itertools import chain
 import torch
 
 from twostep.outputs import Logprob, PositionLogprobs
+from twostep.sample.argmax import first_argmax
 from twostep.sample.constraints import apply_constraints
 from twostep.sampling_params import SamplingParams
 
@@ -243,7 +244,7 @@ class Sampler:
         x = apply_penalties(logits, rows)
         sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
         if not sampled:
-            tokens = x.argmax(dim=-1)
+            tokens = first_argmax(x)
         elif len(sampled) == len(rows):
             tokens = self._sample(x, rows)
         else:
@@ -252,14 +253,14 @@ class Sampler:
             greedy_idx = torch.tensor([i for i in range(len(rows)) if i not in sampled_set], device=dev)
             sampled_idx = torch.tensor(sampled, device=dev)
             tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
-            tokens[greedy_idx] = x[greedy_idx].argmax(dim=-1)
+            tokens[greedy_idx] = first_argmax(x[greedy_idx])
             tokens[sampled_idx] = self._sample(x[sampled_idx], [rows[i] for i in sampled])
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=_sample_logprobs(raw, rows, tokens))
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 4 for rows that all sample; returns their token ids ``[n]``."""
         probs = self.filtered_probs(x, rows)
-        return probs.div_(self._noise(rows, x.shape[1], x.device)).argmax(dim=-1)
+        return first_argmax(probs.div_(self._noise(rows, x.shape[1], x.device)))
 
     def filtered_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 4 up to the draw: the distribution ``[n, V]`` sampled rows draw from, given
