@@ -48,3 +48,4 @@ def test_views_and_dtypes():
     check(x.double())
     check(x.bfloat16())
     check(torch.randint(0, 50, (2, 3 * BLOCK)))   # integers keep torch.argmax
+    check(torch.randn(0, 3 * BLOCK))              # no rows
