@@ -65,21 +65,22 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
     assert (got[rows].float() - expected[rows].float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_bf16_queries_give_the_float32_result_rounded(head_dim):
-    """The kernel reads bf16 queries into float32 and writes its output in their dtype: exactly a
-    conversion before and after (the decode stack saves those two copies a layer)."""
+def test_16bit_queries_give_the_float32_result_rounded(head_dim, q_dtype):
+    """The kernel reads bf16 / fp16 queries into float32 and writes its output in their dtype:
+    exactly a conversion before and after (the decode stack saves those two copies a layer)."""
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(head_dim)
     cache = torch.randn(2, 6, 16, 2, head_dim, generator=g).to(torch.bfloat16)
-    q = torch.randn(3, 6, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, 6, head_dim, generator=g).to(q_dtype)
     # two sequences: the first verifies a draft (two query rows), the second decodes one (its row 1 is padding)
     plan = (torch.tensor([[0, 1], [2, 2]]), torch.tensor([2, 1]), cache, torch.tensor([[1, 3], [5, 0]]),
             torch.tensor([30, 9]))
     got = kernel.paged_decode_attention(q, *plan, 0.125)
     expected = kernel.paged_decode_attention(q.float(), *plan, 0.125)
-    assert got.dtype == torch.bfloat16 and expected.dtype == torch.float32
-    assert torch.equal(got, expected.to(torch.bfloat16))
+    assert got.dtype == q_dtype and expected.dtype == torch.float32
+    assert torch.equal(got, expected.to(q_dtype))
     assert got[1, 1].eq(0).all()                  # the padded row past q_len stays zero
 
 

@@ -165,11 +165,9 @@ class DecoderStack {
       rotary_inplace_.call(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
     }
     write_kv_.call(kv, k, v, slots);
-    // q in its own dtype (the kernel reads bf16 rows into float32 and writes its output back in q's dtype)
-    const Tensor q_in = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ? q.contiguous()
-                                                                                        : q.to(at::kFloat).contiguous();
-    Tensor o = attention_.call(q_in, q_index, q_lens, kv, tables, seq_lens, scale_);
-    return (*layer.o)(o.to(h.scalar_type()).view({t, q_size}));
+    // in q's dtype both ways (the kernel reads 16-bit rows into float32 and writes its output back rounded)
+    const Tensor o = attention_.call(q.contiguous(), q_index, q_lens, kv, tables, seq_lens, scale_);
+    return (*layer.o)(o.view({t, q_size}));
   }
 
   int64_t heads_, kv_heads_, dim_;

@@ -33,6 +33,9 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // One key or value vector to float32 (the bf16 case as the bit shift it is, which vectorises).
 inline void to_float(const float* p, float* x, int64_t dim) { std::memcpy(x, p, dim * sizeof(float)); }
+inline void to_float(const at::Half* p, float* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(p[d]);
+}
 inline void to_float(const at::BFloat16* p, float* x, int64_t dim) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
   for (int64_t d = 0; d < dim; ++d) {
@@ -172,7 +175,7 @@ inline void softmax(float* s, int64_t n, int64_t len) {
 
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
 // DIM == 0: any head size, given at run time. Q: the queries' and the output's dtype (float32, or
-// bf16 read into float32 rows and written back rounded, as a conversion before and after would).
+// bf16 / fp16 read into float32 rows and written back rounded, as a conversion before and after would).
 template <typename T, int64_t DIM, typename Q>
 void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens, int64_t max_q,
                       const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
@@ -184,10 +187,10 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, tile(TILE * dim);
-    std::vector<float> q_rows, out_rows;                   // a bf16 task's rows in float32
+    std::vector<float> q_rows, out_rows;                   // a 16-bit task's rows in float32
     std::vector<const float*> queries;
     std::vector<float*> outs;
-    std::vector<Q*> targets;                               // where a bf16 task's rows go
+    std::vector<Q*> targets;                               // where a 16-bit task's rows go
     std::vector<int64_t> limits;                           // the last key each row may see
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
@@ -265,7 +268,7 @@ void check_plan(const torch::Tensor& q, const torch::Tensor& q_index, const torc
   }
 }
 
-// q [T, H, D] float32 or bfloat16; q_index [B, Q] int64 (rows of q, padded with the last); q_lens,
+// q [T, H, D] float32, bfloat16 or float16; q_index [B, Q] int64 (rows of q, padded with the last); q_lens,
 // seq_lens [B] int64; cache [2, num_blocks, block_size, Hkv, D] float32 or bfloat16; tables [B, n]
 // int64. Returns [B, Q, H, D] in q's dtype (rows past a sequence's q_len are zeros); the math is
 // float32 either way.
@@ -273,8 +276,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
                                      torch::Tensor cache, torch::Tensor tables, torch::Tensor seq_lens,
                                      double scale) {
   RECORD_FUNCTION("twostep::paged_decode_attention", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
-              "q: contiguous float32 or bfloat16");
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16 ||
+                                     q.scalar_type() == torch::kHalf),
+              "q: contiguous float32, bfloat16 or float16");
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache: contiguous [2, blocks, bs, Hkv, D]");
   TORCH_CHECK(tables.is_contiguous() && q_index.is_contiguous(), "tables, q_index: contiguous");
   const int64_t batch = q_index.size(0), max_q = q_index.size(1), heads = q.size(1), dim = q.size(2);
@@ -295,8 +299,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   auto with_queries = [&](auto* base) {
     if (q.scalar_type() == torch::kFloat) {
       run(base, q.data_ptr<float>());
-    } else {
+    } else if (q.scalar_type() == torch::kBFloat16) {
       run(base, q.data_ptr<at::BFloat16>());
+    } else {
+      run(base, q.data_ptr<at::Half>());
     }
   };
   if (cache.scalar_type() == torch::kFloat) {

@@ -11,13 +11,12 @@ import torch
 
 def paged_decode_attention(kernel, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
     """fn(q [T, H, D], index [B, Q], query_lens [B], kv_values, tables [B, n], seq_lens [B], scale)
-    -> [B * Q, H, D] in q's dtype where it is float32 or bf16 (else float32), or None where the
-    kernel does not apply. The math is float32 either way."""
+    -> [B * Q, H, D] in q's dtype (float32, bf16 or fp16), or None where the kernel does not
+    apply. The math is float32 either way."""
     if kernel is None or quantized_kv or dtype not in (torch.float32, torch.bfloat16):
         return None
 
     def run(q, index, query_lens, values, tables, seq_lens, scale):
-        q = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
         o = kernel.paged_decode_attention(q.contiguous(), index, query_lens, values, tables, seq_lens, scale)
         return o.view(-1, *q.shape[1:])
 
