@@ -38,14 +38,105 @@ void check_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
 }
 
+// exp(x) for 8 floats: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf),
+// within 2 ulp of the exact value; saturates to 0 and inf outside [-88, 88].
+#ifdef TWOSTEP_AVX2
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// bf16 <-> float32 for 8 values; to_bf16 rounds to nearest even with NaN kept quiet, as c10's
+// float -> BFloat16 conversion does, so a vector result is the scalar loop's bit for bit
+inline __m256 widen_bf16(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load_bf16(const at::BFloat16* x) {
+  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   // each fits 16 bits
+}
+
+// 8 values of T as float32 and back (bf16 rounded as c10 rounds), and a float32 result rounded to T
+// and widened again: what a torch op with a T output hands to the next one.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) { return load_bf16(x); }
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+inline void store8(at::BFloat16* o, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(v)); }
+template <typename T>
+constexpr bool vec8 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+template <typename T>
+inline __m256 rounded8(__m256 v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return widen_bf16(to_bf16(v));
+  return v;
+}
+#endif
+
+// res += x, each sum rounded to T (torch's add)
+template <typename T>
+void add_to(const T* x, T* res, int64_t dim) {
+  int64_t d = 0;
+#ifdef TWOSTEP_AVX2
+  if constexpr (vec8<T>)
+    for (; d + 8 <= dim; d += 8) store8(res + d, _mm256_add_ps(load8(x + d), load8(res + d)));
+#endif
+  for (; d < dim; ++d) res[d] = round_to<T>(as_float(x[d]) + as_float(res[d]));
+}
+
+// sum of x[d]^2, each square a float32 product, summed in double: the mean of the squares rounded
+// once, as exact as torch's (the order of the double sums differs; the float32 mean almost never)
+template <typename T>
+double sum_of_squares(const T* x, int64_t dim) {
+  double sum = 0.0;
+  int64_t d = 0;
+#ifdef TWOSTEP_AVX2
+  if constexpr (vec8<T>) {
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    for (; d + 8 <= dim; d += 8) {
+      const __m256 v = load8(x + d), squares = _mm256_mul_ps(v, v);
+      low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(squares)));
+      high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(squares, 1)));
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+#endif
+  for (; d < dim; ++d) sum += static_cast<double>(as_float(x[d]) * as_float(x[d]));
+  return sum;
+}
+
 // out[t] = weight * T(x[t] / sqrt(mean(x[t]^2) + eps)), the normalisation in float32 (as HF).
 template <typename T>
 void rms_norm_row(const T* xr, const T* weight, T* o, int64_t dim, float eps) {
-  double sum = 0.0;                 // in double: the mean of the squares rounded once, as exact as torch's
-  for (int64_t d = 0; d < dim; ++d) sum += static_cast<double>(as_float(xr[d]) * as_float(xr[d]));
-  const float inv = 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(dim)) + eps);
-  for (int64_t d = 0; d < dim; ++d)
-    o[d] = round_to<T>(as_float(weight[d]) * as_float(round_to<T>(as_float(xr[d]) * inv)));
+  const float inv = 1.0f / std::sqrt(static_cast<float>(sum_of_squares(xr, dim) / static_cast<double>(dim)) + eps);
+  int64_t d = 0;
+#ifdef TWOSTEP_AVX2
+  if constexpr (vec8<T>) {
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (; d + 8 <= dim; d += 8)
+      store8(o + d, _mm256_mul_ps(load8(weight + d), rounded8<T>(_mm256_mul_ps(load8(xr + d), scale))));
+  }
+#endif
+  for (; d < dim; ++d) o[d] = round_to<T>(as_float(weight[d]) * as_float(round_to<T>(as_float(xr[d]) * inv)));
 }
 
 void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -75,9 +166,8 @@ torch::Tensor norm_rows(const torch::Tensor& x, torch::Tensor* residual, const t
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* row = xp + r * dim;
         if (rp != nullptr) {
-          scalar_t* res = rp + r * dim;
-          for (int64_t d = 0; d < dim; ++d) res[d] = round_to<scalar_t>(as_float(row[d]) + as_float(res[d]));
-          row = res;
+          add_to(row, rp + r * dim, dim);
+          row = rp + r * dim;
         }
         rms_norm_row(row, wp, op + r * dim, dim, static_cast<float>(eps));
       }
@@ -99,46 +189,6 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const
   return norm_rows(x, &residual, weight, eps);
 }
 
-// exp(x) for 8 floats: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf),
-// within 2 ulp of the exact value; saturates to 0 and inf outside [-88, 88].
-#ifdef TWOSTEP_AVX2
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
-#ifdef TWOSTEP_AVX2
-// bf16 <-> float32 for 8 values; to_bf16 rounds to nearest even with NaN kept quiet, as c10's
-// float -> BFloat16 conversion does, so a vector result is the scalar loop's bit for bit
-inline __m256 widen_bf16(__m128i h) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load_bf16(const at::BFloat16* x) {
-  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-}
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   // each fits 16 bits
-}
-#endif
-
 // silu(g) = g / (1 + exp(-g)) in float32, rounded to T, times u (rounded to T): F.silu(g) * u.
 template <typename T>
 inline void silu_mul_scalar(const T* g, const T* u, T* o, int64_t n) {
@@ -152,21 +202,13 @@ template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
 #ifdef TWOSTEP_AVX2
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (vec8<T>)
     for (; i + 8 <= n; i += 8) {
-      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 x = load8(g + i);
       const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+      const __m256 s = rounded8<T>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+      store8(o + i, _mm256_mul_ps(s, load8(u + i)));
     }
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256 x = load_bf16(g + i);
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-      const __m256 s = widen_bf16(to_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16(_mm256_mul_ps(s, load_bf16(u + i))));
-    }
-  }
 #endif
   silu_mul_scalar(g + i, u + i, o + i, n - i);
 }
