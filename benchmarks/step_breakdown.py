@@ -17,8 +17,12 @@ When the decode stack runs the layers in one C++ call (models/fused_decode.py; "
 Python clock sees inside it: a profile of a few more steps gives the time of its matrix-vector ops
 (under weights) and of its K/V writes and paged attention (under attention) per call; the rest of
 its clocked time, the stack's glue, stays under other ops.
-Medians over the decode steps; the bound line is the weights' bytes over --bandwidth (GB/s, e.g.
-from `twostep bench ceilings`), when given. --compare-unfused runs the same engine alternately in
+Medians over the decode steps; the bound line is the bytes a batch-1 step streams (each linear's
+form the matrix-vector product reads: quantized codes, or the row-major bf16 copy; the lm_head
+included) over --bandwidth (GB/s, e.g. from `twostep bench ceilings`), when given. --gemv-bound
+measures that rate itself, `bench ceilings`' bf16 GEMV, before and after every rep, and prints each
+rep's step against the bound at the mean of the two rates around it: the machine's speed moves
+within seconds, so a bound measured in another minute says little. --compare-unfused runs the same engine alternately in
 three ways: the decode stack ("stack"), the Python layers on the platform's per-layer C++ ops
 ("layers"), and the PyTorch ops those replace ("torch ops": layers' native_ops, the K/V write
 through index_copy_), --reps times each, interleaved: this machine's speed drifts by up to 2x over
@@ -36,6 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from twostep import LLM, SamplingParams
+from twostep.analysis.ceilings import gemv_bandwidth
 from twostep.layers.custom_op import CustomOp
 from twostep.layers.dispatch import weight_bytes
 from twostep.layers.linear import Linear
@@ -192,6 +197,23 @@ def split_stack(parts: dict[str, float], layers: float, kernels: tuple[float, fl
     parts["other ops"] -= weights + attention
 
 
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every Linear's form the matrix-vector product
+    takes, each tensor once (a tied lm_head is read as the head; the embedding's one row is not
+    counted)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        if m.quantized is not None:
+            seen[id(m.quantized)] = m.quantized.nbytes
+            continue
+        w = getattr(m, "row_major_weight", None)
+        w = w if w is not None else m.weight
+        seen[w.data_ptr()] = w.numel() * w.element_size()
+    return sum(seen.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -204,6 +226,8 @@ def main() -> None:
     ap.add_argument("--compare-unfused", action="store_true",
                     help="also the Python layers and the PyTorch ops, interleaved")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s for the weight-stream bound")
+    ap.add_argument("--gemv-bound", action="store_true",
+                    help="measure the bf16 GEMV rate (bench ceilings') around each rep: the step against it")
     ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     ap.add_argument("--int8-activations", action="store_true", help="the engine's --cpu-int8-activations")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each sequence's prompt")
@@ -219,13 +243,20 @@ def main() -> None:
     first = "stack" if switch.stack is not None else "layers"
     configs = [first, *(c for c in ("layers", "torch ops") if c != first)] if args.compare_unfused else [first]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    rates: list[float] = []
     for _ in range(args.reps):
+        if args.gemv_bound:
+            rates.append(gemv_bandwidth())
         for config in configs:
             switch.use(config)
             runs[config].append(measure(llm, clock, prompts, params, config == "stack"))
+    if args.gemv_bound:
+        rates.append(gemv_bandwidth())
+        rates = [(before + after) / 2 for before, after in zip(rates, rates[1:])]
     switch.use(first)
     results = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
     weights_mb = weight_bytes(llm.engine.model) / 1e6
+    stream_mb = streamed_bytes(llm.engine.model) / 1e6
     header = {"model": llm.engine.model_path.rsplit("/", 1)[-1], "dtype": str(llm.engine.dtype)[6:],
               "batch": args.batch, "threads": torch.get_num_threads(), "reps": args.reps,
               "weights_MB": round(weights_mb, 1)}
@@ -245,7 +276,14 @@ def main() -> None:
         print("  speed against the torch ops: " + ", ".join(
             f"{c} {results['torch ops']['step'] / results[c]['step']:.2f}x" for c in configs))
     if args.bandwidth:
-        print(f"  weight-stream bound {weights_mb / args.bandwidth:.2f} ms at {args.bandwidth} GB/s")
+        print(f"  weight-stream bound {stream_mb / args.bandwidth:.2f} ms ({stream_mb:.0f} MB a step at "
+              f"{args.bandwidth} GB/s)")
+    if rates:
+        shares = [stream_mb / rate / run["step"] for rate, run in zip(rates, runs[first])]
+        print(f"  {stream_mb:.0f} MB a step; per rep, the bf16 GEMV rate measured around it and the "
+              f"step's share of the bound at that rate (median {statistics.median(shares):.0%}):")
+        for rate, run, share in zip(rates, runs[first], shares):
+            print(f"    {rate:5.1f} GB/s: bound {stream_mb / rate:6.2f} ms, step {run['step']:6.2f} ms = {share:.0%}")
 
 
 if __name__ == "__main__":
