@@ -300,12 +300,23 @@ def run_phases(args) -> dict:
     for e in engines:
         e.measure(warm, seed=0)
     samples = {e.name: {p.name: [] for p in phases} for e in engines}
+    read = ReadRate() if args.read_rate else None
+    shares = {e.name: [] for e in engines}          # batch-1 decode's weight stream / the read rate
+    step_bytes = 0
+    if read is not None:
+        from twostep.layers.dispatch import streamed_weight_bytes
+
+        step_bytes = streamed_weight_bytes(ours[0].llm.engine.model)
     for rep in range(args.reps):
         for p in phases:
             for e in engines:              # back to back: the same minutes for every engine
+                around = read is not None and p.batch == 1 and not p.is_prefill
+                before = read.measure() if around else None
                 tok_s = e.measure(p, seed=rep)
                 if tok_s is not None:
                     samples[e.name][p.name].append(tok_s)
+                    if around:
+                        shares[e.name].append(tok_s * step_bytes / 1e9 / ((before + read.measure()) / 2))
     rows = []
     for p in phases:
         med = {e: statistics.median(s[p.name]) if s[p.name] else None for e, s in samples.items()}
@@ -313,9 +324,33 @@ def run_phases(args) -> dict:
                      **{f"{o.name}/{e}": med[o.name] / v for o in ours for e, v in med.items()
                         if not e.startswith("twostep") and v and med[o.name]}})
     print_table(rows, [e.name for e in engines], [o.name for o in ours])
+    stream = {e: statistics.median(x) for e, x in shares.items() if x}
+    if stream:
+        print(f"\ndecode b1, the weight stream ({step_bytes / 1e6:.0f} MB a token) against a plain read measured "
+              "just before and after each run, medians: " + ", ".join(f"{e} {v:.0%}" for e, v in stream.items()))
     return {"mode": "phases", "model": path, "gguf": gguf, "dtype": args.dtype,
             "threads": args.threads, "reps": args.reps, "peers": peers,
-            "phases": [vars(p) for p in phases], "rows": rows, "samples": samples}
+            "phases": [vars(p) for p in phases], "rows": rows, "samples": samples,
+            **({"b1_stream_of_read": stream, "b1_stream_shares": shares, "step_MB": step_bytes / 1e6}
+               if stream else {})}
+
+
+class ReadRate:
+    """A plain read (torch's sum) of a buffer 4x this machine's last-level cache and more, in GB/s:
+    what the memory delivers in the seconds around a measurement."""
+
+    def __init__(self, nbytes: int = 512 << 20) -> None:
+        import torch
+
+        self.buffer = torch.ones(nbytes // 4)
+
+    def measure(self, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            self.buffer.sum()
+            times.append(time.perf_counter() - start)
+        return self.buffer.numel() * 4 / statistics.median(times) / 1e9
 
 
 def print_table(rows: list[dict], engines: list[str], ours: tuple[str, ...] = ("twostep",)) -> None:
@@ -406,6 +441,9 @@ def main() -> None:
     g.add_argument("--int8-activations", action="store_true",
                    help="also twostep with --cpu-int8-activations (llama.cpp's activation precision), "
                         "back to back with the rest")
+    g.add_argument("--read-rate", action="store_true",
+                   help="measure a plain read before and after each batch-1 decode run and report each "
+                        "engine's weight stream as a share of it")
     g = ap.add_argument_group("throughput")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")

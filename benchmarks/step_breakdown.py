@@ -42,7 +42,7 @@ import torch
 from twostep import LLM, SamplingParams
 from twostep.analysis.ceilings import gemv_bandwidth
 from twostep.layers.custom_op import CustomOp
-from twostep.layers.dispatch import weight_bytes
+from twostep.layers.dispatch import streamed_weight_bytes, weight_bytes
 from twostep.layers.linear import Linear
 
 
@@ -197,23 +197,6 @@ def split_stack(parts: dict[str, float], layers: float, kernels: tuple[float, fl
     parts["other ops"] -= weights + attention
 
 
-def streamed_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decode step reads: every Linear's form the matrix-vector product
-    takes, each tensor once (a tied lm_head is read as the head; the embedding's one row is not
-    counted)."""
-    seen: dict[int, int] = {}
-    for m in model.modules():
-        if not isinstance(m, Linear):
-            continue
-        if m.quantized is not None:
-            seen[id(m.quantized)] = m.quantized.nbytes
-            continue
-        w = getattr(m, "row_major_weight", None)
-        w = w if w is not None else m.weight
-        seen[w.data_ptr()] = w.numel() * w.element_size()
-    return sum(seen.values())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -256,14 +239,17 @@ def main() -> None:
     switch.use(first)
     results = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
     weights_mb = weight_bytes(llm.engine.model) / 1e6
-    stream_mb = streamed_bytes(llm.engine.model) / 1e6
+    stream_mb = streamed_weight_bytes(llm.engine.model) / 1e6
     header = {"model": llm.engine.model_path.rsplit("/", 1)[-1], "dtype": str(llm.engine.dtype)[6:],
               "batch": args.batch, "threads": torch.get_num_threads(), "reps": args.reps,
               "weights_MB": round(weights_mb, 1)}
+    shares = [stream_mb / rate / run["step"] for rate, run in zip(rates, runs[first])]
     if args.json:
         for config, parts in results.items():
+            bound = {"stream_MB": round(stream_mb, 1), "gemv_GBs": [round(r, 1) for r in rates],
+                     "gemv_bound_share": [round(x, 3) for x in shares]} if rates and config == first else {}
             print(json.dumps({**header, "ops": config, **{k: round(v, 2) for k, v in parts.items()},
-                              "tok_s": round(args.batch * 1e3 / parts["step"], 1)}))
+                              "tok_s": round(args.batch * 1e3 / parts["step"], 1), **bound}))
         return
     print(f"{header['model']}, {header['dtype']}, batch {args.batch}, {header['threads']} threads, "
           f"{args.tokens} tokens x {args.reps} reps, {weights_mb:.0f} MB of weights; ms per decode step (share)")
@@ -279,7 +265,6 @@ def main() -> None:
         print(f"  weight-stream bound {stream_mb / args.bandwidth:.2f} ms ({stream_mb:.0f} MB a step at "
               f"{args.bandwidth} GB/s)")
     if rates:
-        shares = [stream_mb / rate / run["step"] for rate, run in zip(rates, runs[first])]
         print(f"  {stream_mb:.0f} MB a step; per rep, the bf16 GEMV rate measured around it and the "
               f"step's share of the bound at that rate (median {statistics.median(shares):.0%}):")
         for rate, run, share in zip(rates, runs[first], shares):

@@ -40,3 +40,16 @@ def test_lint_imports_keeps_every_contract():
     run = subprocess.run([str(tool)], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 broken" in run.stdout
+
+
+def test_streamed_weight_bytes_counts_what_a_batch1_step_reads(tiny_model_dir):
+    """Each Linear's weight once, in the form its 1-row product reads (bf16: the row-major copy
+    beside oneDNN's packed one is not counted twice), the lm_head included, the embedding not."""
+    from twostep import EngineConfig, LLMEngine
+    from twostep.layers.dispatch import streamed_weight_bytes, weight_bytes
+    from twostep.layers.linear import Linear
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16", kv_cache_memory="16MiB"))
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert streamed_weight_bytes(engine.model) == sum(2 * m.in_features * m.out_features for m in linears)
+    assert streamed_weight_bytes(engine.model) < weight_bytes(engine.model)

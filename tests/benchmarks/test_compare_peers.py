@@ -125,3 +125,25 @@ def test_default_dtype_is_what_the_platform_computes_fastest():
     from twostep.platforms.cpu import has_native_bf16
 
     assert compare.default_dtype() == ("bfloat16" if has_native_bf16() else "float32")
+
+
+def test_read_rate_reports_the_batch1_weight_stream_as_a_share_of_the_read(tiny_model_dir, tmp_path, monkeypatch):
+    import json
+
+    class FixedRead:                      # a machine whose plain read always gives 10 GB/s
+        def measure(self) -> float:
+            return 10.0
+
+    monkeypatch.setattr(compare, "ReadRate", FixedRead)
+    monkeypatch.setattr(compare, "VOCAB", 300)          # prompt ids within the tiny vocabulary
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--mode", "phases", "--model", str(tiny_model_dir("llama")),
+                                      "--peers", "--reps", "2", "--prompt-len", "8", "--decode-prompt-len", "8",
+                                      "--gen", "4", "--batches", "1", "2", "--read-rate", "--json", str(out)])
+    compare.main()
+    result = json.loads(out.read_text())
+    assert len(result["b1_stream_shares"]["twostep"]) == 2          # batch 1 only, each rep
+    tok_s = result["samples"]["twostep"]["decode b1"]
+    want = sorted(t * result["step_MB"] / 1e3 / 10.0 for t in tok_s)
+    assert sorted(result["b1_stream_shares"]["twostep"]) == pytest.approx(want)
+    assert result["b1_stream_of_read"]["twostep"] > 0

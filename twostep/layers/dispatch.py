@@ -91,6 +91,26 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def streamed_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every Linear's form the matrix-vector product
+    takes, each tensor once (a tied lm_head is read as the head; the embedding's one row is not
+    counted)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        if m.quantized is not None:
+            seen[id(m.quantized)] = m.quantized.nbytes
+            continue
+        w = next(t for t in (getattr(m, a, None) for a in ("row_major_weight", "packed_weight", "weight"))
+                 if isinstance(t, torch.Tensor))
+        try:
+            seen[w.data_ptr()] = w.numel() * w.element_size()
+        except RuntimeError:        # an opaque (oneDNN) tensor
+            seen[id(w)] = w.numel() * w.element_size()
+    return sum(seen.values())
+
+
 def _row_major_bytes(model: nn.Module) -> int:
     """Memory the row-major copies cost on top of the packed weights (a tied lm_head's is the
     embedding table, which exists anyway)."""
