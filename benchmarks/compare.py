@@ -336,8 +336,8 @@ def run_phases(args) -> dict:
 
 
 class ReadRate:
-    """A plain read (torch's sum) of a buffer 4x this machine's last-level cache and more, in GB/s:
-    what the memory delivers in the seconds around a measurement."""
+    """A plain read (torch's sum) of 512 MB, far more than any last-level cache, in GB/s: what the
+    memory delivers in the seconds around a measurement."""
 
     def __init__(self, nbytes: int = 512 << 20) -> None:
         import torch

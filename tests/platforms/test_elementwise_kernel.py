@@ -36,7 +36,7 @@ def test_rotary_is_bit_identical_to_the_torch_ops(dtype, tokens, heads, kv_heads
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("shape", [(1, 896), (9, 576), (3, 14, 64)])
+@pytest.mark.parametrize("shape", [(1, 896), (9, 576), (3, 14, 64), (2, 45)])   # 45: the vector loop's tail
 def test_bf16_rms_norm_is_within_one_rounding_of_the_torch_ops(shape):
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(sum(shape))
@@ -52,7 +52,7 @@ def test_bf16_rms_norm_is_within_one_rounding_of_the_torch_ops(shape):
     assert (diff == 0).float().mean() > 0.95                    # and almost always none
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (7, 896), (2, 3, 64)])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 896), (2, 3, 64), (3, 45)])
 def test_float32_rms_norm_is_within_float_rounding_of_the_torch_ops(shape):
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(sum(shape))
@@ -67,12 +67,13 @@ def test_float32_rms_norm_is_within_float_rounding_of_the_torch_ops(shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_updates_the_residual_exactly_and_normalises_the_sum(dtype):
+@pytest.mark.parametrize("width", [576, 581])            # 581: the vector loops' tails
+def test_add_rms_norm_updates_the_residual_exactly_and_normalises_the_sum(dtype, width):
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(3)
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = (torch.rand(576, generator=g) * 2).to(dtype)
-    x, residual = (torch.randn(5, 576, generator=g) * 3).to(dtype), torch.randn(5, 576, generator=g).to(dtype)
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = (torch.rand(width, generator=g) * 2).to(dtype)
+    x, residual = (torch.randn(5, width, generator=g) * 3).to(dtype), torch.randn(5, width, generator=g).to(dtype)
     native_residual, kernel_residual = residual.clone(), residual.clone()
     want = norm(x, native_residual)
     assert torch.equal(native_residual, residual + x)
