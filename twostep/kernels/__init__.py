@@ -1,7 +1,8 @@
 """C++ kernels, compiled on first use with torch's extension tooling (g++ and ninja; the build is
 cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch.
-A build logs a line when it starts and one with its time when it ends (each takes ~30-60 s on two
-cores); `twostep build-kernels` (run by scripts/setup.sh) builds them all ahead of the first run.
+A build logs a line when it starts and one with its time when it ends (35-50 s each on two cores,
+~3 minutes for quant_linear.cpp); `twostep build-kernels` (run by scripts/setup.sh) builds them all
+ahead of the first run.
 
 Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
 CPU's feature flags (and a hash of the source, the flags and torch's version): a home folder shared
@@ -61,7 +62,7 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
 
             fresh = not _is_built(name + suffix)
             if fresh:
-                logger.info("compiling the C++ kernel %s for this CPU (once; ~30-60 s) ...", source)
+                logger.info("compiling the C++ kernel %s for this CPU (once; up to a few minutes) ...", source)
             start = time.monotonic()
             module = load(name + suffix, [path], extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
             if fresh:
