@@ -583,18 +583,20 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(result[m], acc[m]);
 }
 
-// A panel's 8 sums into the output row: float32 as they are, bf16 rounded to nearest even in one
-// instruction where the CPU has AVX512-BF16 (what the scalar conversion gives, for every finite sum)
+// n floats (a multiple of 8) into out: float32 as they are, bf16 rounded to nearest even 8 at a time
+// where the CPU has AVX512-BF16 (what the scalar conversion gives, for every finite value), else one
+// by one. A panel's 8 sums into the output row; a dequantized block's 32 weights into a tile.
 template <typename out_t>
-inline void store_panel(const float* sums, out_t* out) {
+inline void store_rounded(const float* in, out_t* out, int n) {
   if constexpr (std::is_same_v<out_t, float>) {
-    _mm256_storeu_ps(out, _mm256_loadu_ps(sums));
+    std::memcpy(out, in, n * sizeof(float));
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   } else if constexpr (std::is_same_v<out_t, at::BFloat16>) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(sums)));
+    for (int i = 0; i < n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(in + i)));
 #endif
   } else {
-    for (int j = 0; j < kPanel; ++j) out[j] = static_cast<out_t>(sums[j]);
+    for (int i = 0; i < n; ++i) out[i] = static_cast<out_t>(in[i]);
   }
 }
 
@@ -616,7 +618,7 @@ void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivatio
         }
         m0 += rows;
       }
-      for (int64_t row = 0; row < m; ++row) store_panel(r[row], out + row * stride + panel * kPanel);
+      for (int64_t row = 0; row < m; ++row) store_rounded(r[row], out + row * stride + panel * kPanel, kPanel);
     }
   });
 }
@@ -765,7 +767,7 @@ inline void dequantize_panel_block(const uint8_t* block, const float* d0, const 
       dequantize_codes<BITS>(rows[j], d0[j], o0[j], d1[j], o1[j], out + j * stride);
     } else {
       dequantize_codes<BITS>(rows[j], d0[j], o0[j], d1[j], o1[j], buffer);
-      for (int i = 0; i < kBlock; ++i) out[j * stride + i] = static_cast<scalar_t>(buffer[i]);
+      store_rounded(buffer, out + j * stride, kBlock);
     }
   }
 }
