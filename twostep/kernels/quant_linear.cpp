@@ -584,8 +584,10 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
 }
 
 // n floats (a multiple of 8) into out: float32 as they are, bf16 rounded to nearest even 8 at a time
-// where the CPU has AVX512-BF16 (what the scalar conversion gives, for every finite value), else one
-// by one. A panel's 8 sums into the output row; a dequantized block's 32 weights into a tile.
+// where the CPU has AVX512-BF16, else one by one. The instruction gives what the scalar conversion
+// gives for zeros and every normal value; it flushes denormals (below 1.2e-38) to zero, which no
+// dequantized weight is (a multiple of an fp16 scale plus an fp16 offset). A panel's 8 sums into the
+// output row; a dequantized block's 32 weights into a tile.
 template <typename out_t>
 inline void store_rounded(const float* in, out_t* out, int n) {
   if constexpr (std::is_same_v<out_t, float>) {
