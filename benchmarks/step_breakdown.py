@@ -22,8 +22,8 @@ form the matrix-vector product reads: quantized codes, or the row-major bf16 cop
 included) over --bandwidth (GB/s, e.g. from `twostep bench ceilings`), when given. --gemv-bound
 measures that rate itself, `bench ceilings`' bf16 GEMV, before and after every rep, and prints each
 rep's step against the bound at the mean of the two rates around it: the machine's speed moves
-within seconds, so a bound measured in another minute says little. --compare-unfused runs the same engine alternately in
-three ways: the decode stack ("stack"), the Python layers on the platform's per-layer C++ ops
+within seconds, so a bound measured in another minute says little. --compare-unfused runs the same
+engine alternately in three ways: the decode stack ("stack"), the Python layers on the platform's per-layer C++ ops
 ("layers"), and the PyTorch ops those replace ("torch ops": layers' native_ops, the K/V write
 through index_copy_), --reps times each, interleaved: this machine's speed drifts by up to 2x over
 minutes, so only ratios from one such run mean anything.

@@ -37,11 +37,12 @@ def test_breakdown_parts_add_up_and_both_op_sets_run(tiny_model_dir, monkeypatch
 def test_gemv_bound_measures_the_rate_around_each_rep(tiny_model_dir, monkeypatch, capsys):
     from twostep.layers.dispatch import streamed_weight_bytes
 
-    monkeypatch.setattr(step_breakdown, "gemv_bandwidth", lambda: 20.0)   # GB/s, as if measured
+    rates = iter([10.0, 20.0, 40.0])                        # GB/s, as if measured before, between, after
+    monkeypatch.setattr(step_breakdown, "gemv_bandwidth", lambda: next(rates))
     monkeypatch.setattr(sys, "argv", ["step_breakdown.py", "--model", str(tiny_model_dir("llama")),
                                       "--tokens", "6", "--reps", "2", "--gemv-bound", "--json"])
     step_breakdown.main()
     row = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert row["gemv_GBs"] == [20.0, 20.0]                  # one rate per rep, each the mean around it
+    assert row["gemv_GBs"] == [15.0, 30.0]                  # one rate per rep, each the mean around it
     assert len(row["gemv_bound_share"]) == 2 and all(x > 0 for x in row["gemv_bound_share"])
     assert row["stream_MB"] > 0

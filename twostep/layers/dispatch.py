@@ -81,10 +81,7 @@ def weight_bytes(model: nn.Module) -> int:
         tensors += [getattr(m, a, None) for a in ("packed_weight", "row_major_weight", "plain_bias")]
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                try:
-                    seen[t.data_ptr()] = t.numel() * t.element_size()
-                except RuntimeError:        # an opaque tensor: counted by its element count
-                    seen[id(t)] = t.numel() * t.element_size()
+                seen[_storage_key(t)] = t.numel() * t.element_size()
         quantized = getattr(m, "quantized", None)
         if quantized is not None:
             seen[id(quantized)] = quantized.nbytes
@@ -104,11 +101,17 @@ def streamed_weight_bytes(model: nn.Module) -> int:
             continue
         w = next(t for t in (getattr(m, a, None) for a in ("row_major_weight", "packed_weight", "weight"))
                  if isinstance(t, torch.Tensor))
-        try:
-            seen[w.data_ptr()] = w.numel() * w.element_size()
-        except RuntimeError:        # an opaque (oneDNN) tensor
-            seen[id(w)] = w.numel() * w.element_size()
+        seen[_storage_key(w)] = w.numel() * w.element_size()
     return sum(seen.values())
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per stored tensor, so a shared one (a tied head) counts once; an opaque (oneDNN)
+    tensor has no data pointer and is its own."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)
 
 
 def _row_major_bytes(model: nn.Module) -> int:
