@@ -126,10 +126,11 @@ class Twostep:
     name = "twostep"
 
     def __init__(self, path: str, dtype: str, threads: int, kv_cache_memory: str | None = None,
-                 int8_activations: bool = False):
+                 int8_activations: str = "decode"):
         from twostep import LLM
 
-        self.name = "twostep int8" if int8_activations else "twostep"
+        # the default (decode) is "twostep"; --cpu-int8-activations all / off named after the mode
+        self.name = {"decode": "twostep", "all": "twostep int8", "off": "twostep int16"}[int8_activations]
         self.llm = LLM(path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
                        kv_cache_memory=kv_cache_memory, cpu_int8_activations=int8_activations)
 
@@ -292,9 +293,8 @@ def run_phases(args) -> dict:
                                else (None, "skipped"))
     for name, status in peers.items():
         print(f"{name}: {status}", flush=True)
-    ours = [Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB")]
-    if args.int8_activations:
-        ours.append(Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", int8_activations=True))
+    modes = ["decode"] + (["all"] if args.int8_activations else []) + (["off"] if args.int16_activations else [])
+    ours = [Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", int8_activations=m) for m in modes]
     engines = [e for e in (*ours, hf, cpp) if e is not None]
     warm = Phase("warm-up", 1, 16, 4)
     for e in engines:
@@ -439,8 +439,10 @@ def main() -> None:
     g.add_argument("--gen", type=int, default=128)
     g.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     g.add_argument("--int8-activations", action="store_true",
-                   help="also twostep with --cpu-int8-activations (llama.cpp's activation precision), "
-                        "back to back with the rest")
+                   help="also twostep with --cpu-int8-activations all (prompts too at llama.cpp's activation "
+                        "precision; the default rounds decode batches only), back to back with the rest")
+    g.add_argument("--int16-activations", action="store_true",
+                   help="also twostep with --cpu-int8-activations off (16-bit activations everywhere)")
     g.add_argument("--read-rate", action="store_true",
                    help="measure a plain read before and after each batch-1 decode run and report each "
                         "engine's weight stream as a share of it")

@@ -212,7 +212,8 @@ def main() -> None:
     ap.add_argument("--gemv-bound", action="store_true",
                     help="measure the bf16 GEMV rate (bench ceilings') around each rep: the step against it")
     ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
-    ap.add_argument("--int8-activations", action="store_true", help="the engine's --cpu-int8-activations")
+    ap.add_argument("--int8-activations", nargs="?", const="all", default="decode", choices=["off", "decode", "all"],
+                    help="the engine's --cpu-int8-activations (default: decode, the engine's)")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each sequence's prompt")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,

@@ -55,10 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=d.cpu_gemv,
                    help="bf16 on CPU: batch-1 linears through the C++ matrix-vector kernel, which keeps a "
                         "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
-    p.add_argument("--cpu-int8-activations", action=argparse.BooleanOptionalAction, default=d.cpu_int8_activations,
-                   help="quantized weights (4-6-bit codes) on CPU, inputs of 8 rows or more (prefill, decode "
-                        "batches): activations quantized to int8 per block of 32 as llama.cpp does, for its "
-                        "speed and its precision (default: off, int16, the float product within 2**-16)")
+    p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
+                   choices=["off", "decode", "all"],
+                   help="quantized weights on CPU, inputs of 8 rows or more: activations rounded to int8 per "
+                        "block of 32 as llama.cpp rounds them, for its speed at its precision. decode (default): "
+                        "in decode batches of 8+ sequences; all (the flag alone): prompts too; off: never, the "
+                        "16-bit activations (the float product within 2**-16)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '

@@ -28,7 +28,7 @@ def stack_or_skip(engine: LLMEngine) -> LLMEngine:
     if kernels.decode_step() is None:
         pytest.skip("the decode-step kernel cannot be built here (no g++ or ninja)")
     linear = engine.model.model.layers[0].mlp.down_proj
-    if linear.method.fused(linear, kernels.decode_step()) is None:
+    if linear.method.fused(linear, kernels.decode_step(), engine.dtype) is None:
         pytest.skip(f"{linear.method.name}: no matrix-vector kernel for these weights on this CPU")
     assert engine.model.fused_decode is not None, "the kernels build, so the decode stack must be bound"
     return engine
@@ -72,33 +72,64 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, d
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
     engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
-    assert engine.model.fused_decode.max_rows == 8     # the quantized matrix-vector kernel's rows
+    method = engine.model.model.layers[0].mlp.down_proj.method
+    int8 = method.int8_mode == "all" or (method.int8_mode == "decode" and dtype == "bfloat16")
+    int8_takes_all = int8 and {"int8": 8, "int4": 4}[quantization] in method.int8_bits
+    # the quantized matrix-vector kernel's rows; any where the int8 product takes 8 rows and more
+    assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else 8)
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0
     assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_eight_decodes_with_int8_activations_as_the_layers(tiny_model_dir, dtype):
-    """--cpu-int8-activations: eight decode rows take the int8 product in the stack as in the layers."""
+def int8_or_skip():
     from twostep import kernels
 
     if kernels.quant_linear() is None or not kernels.quant_linear().has_int8():
         pytest.skip("the int8 product needs the kernel built with AVX2")
-    kw = dict(dtype=dtype, quantization="int4", cpu_int8_activations=True, max_num_batched_tokens=256)
+
+
+@pytest.mark.parametrize("dtype,mode,int8", [("float32", "all", True), ("bfloat16", "all", True),
+                                              ("bfloat16", "decode", True), ("float32", "decode", False)])
+def test_eight_decodes_with_int8_activations_as_the_layers(tiny_model_dir, dtype, mode, int8):
+    """--cpu-int8-activations all, and decode (the default) with 16-bit activations: eight decode
+    rows take the int8 product in the stack as in the layers (off: the 16-bit one, so other
+    logprobs); decode leaves float32 models at full precision."""
+    int8_or_skip()
+    kw = dict(dtype=dtype, quantization="int4", cpu_int8_activations=mode, max_num_batched_tokens=256)
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(8)]
     engine = stack_or_skip(make(tiny_model_dir("llama"), **kw))
     counted = CountedStack(engine)
     fused = outputs(engine, prompts)
     assert counted.taken > 0
     assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **kw)), prompts)
-    plain = outputs(make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": False}), prompts)
-    assert plain != fused                      # the int8 product really ran
+    plain = outputs(make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": "off"}), prompts)
+    assert (plain != fused) == int8            # the int8 product really ran, or really did not
+
+
+def test_a_decode_batch_of_twelve_takes_the_stack_with_int8_activations(tiny_model_dir):
+    """The default (decode): where every part takes the int8 product, the stack takes decode
+    batches of any size (twelve here), as the layers compute them; the prompts (one step of 48 rows)
+    keep the 16-bit activations: the first tokens are those of --cpu-int8-activations off."""
+    int8_or_skip()
+    kw = dict(dtype="bfloat16", quantization="int4", max_num_batched_tokens=256)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(12)]
+    engine = stack_or_skip(make(tiny_model_dir("llama"), **kw))
+    assert engine.model.fused_decode.max_rows > 12
+    counted = CountedStack(engine)
+    fused = outputs(engine, prompts)
+    assert counted.taken == PARAMS.max_tokens - 1            # every decode step, twelve rows each
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **kw)), prompts)
+    plain = outputs(make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": "off"}), prompts)
+    assert [p[1][0] for p in plain] == [f[1][0] for f in fused]     # prompt forward: same logprobs
+    assert plain != fused                                         # decode batches: int8
 
 
 def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
-    engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256))
+    """Without int8 activations the stack takes what the matrix-vector kernel takes: 8 rows."""
+    engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256,
+                                cpu_int8_activations="off"))
     counted = CountedStack(engine)
     for i in range(9):
         engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 
 from twostep import kernels
 from twostep.platforms.cpu.quant_linear import GEMV_MAX_ROWS, QuantizedLinearMethod
+from twostep.platforms.step_kind import decode_batch
 from twostep.quantization.gguf_blocks import PACKED_TYPES, gguf_bits_per_weight, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
 from twostep.quantization.quantize import quantize_weight
@@ -116,7 +117,7 @@ def test_int8_activations_product(qtype, n, k, rows):
     raw = random_blocks(qtype, n, k, seed=3 * n + k)
     weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
-    method = QuantizedLinearMethod(kernel, int8_activations=True)
+    method = QuantizedLinearMethod(kernel, int8_activations="all")
     got = method.matmul(weight, x)
     expected = F.linear(x, weight.dequantize())
     scale = expected.abs().max().item()
@@ -134,21 +135,34 @@ def test_int8_activations_product(qtype, n, k, rows):
                                rtol=0, atol=0)
 
 
-def test_int8_activations_are_opt_in_and_leave_decode_rows_alone():
-    """Off by default; with it, up to 7 rows keep the int16 matrix-vector product bit for bit."""
+def test_where_int8_activations_apply():
+    """off: never; all: from 8 rows; decode (the engine's default): from 8 rows of 16-bit
+    activations in a decode batch only (the model runner's step_kind.decode_batch), float32 ones
+    never. Up to 7 rows keep the int16 matrix-vector product bit for bit in every mode; a kernel
+    without the int8 product is off whatever is asked."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
-    assert not QuantizedLinearMethod(kernel).int8
-    method = QuantizedLinearMethod(kernel, int8_activations=True)
-    assert method.int8 and method.gemv_rows == 7 and "int8" in method.name
     raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
     weight = QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),))
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     plain = QuantizedLinearMethod(kernel)
-    assert torch.equal(method.matmul(weight, x[:7]), plain.matmul(weight, x[:7]))
-    assert not torch.equal(method.matmul(weight, x), plain.matmul(weight, x))      # 8 rows: int8
-    assert not QuantizedLinearMethod(kernel_builds()["portable"], int8_activations=True).int8
+    assert plain.int8_mode == "off" and "int8" not in plain.name
+    int16, int8 = plain.matmul(weight, x), QuantizedLinearMethod(kernel, "all").matmul(weight, x)
+    seven = plain.matmul(weight, x[:7])
+    assert not torch.equal(int16, int8)
+    for batch in (False, True):
+        with decode_batch(batch):
+            for mode, expected in (("off", int16), ("all", int8), ("decode", int8 if batch else int16)):
+                method = QuantizedLinearMethod(kernel, mode)
+                assert torch.equal(method.matmul(weight, x), expected), (mode, batch)
+                assert torch.equal(method.matmul(weight, x[:7]), seven)
+            float32 = QuantizedLinearMethod(kernel, "decode").matmul(weight, x.float())
+            assert torch.equal(float32, plain.matmul(weight, x.float()))
+    assert "decode batches" in QuantizedLinearMethod(kernel, "decode").name
+    assert QuantizedLinearMethod(kernel_builds()["portable"], "all").int8_mode == "off"
+    with pytest.raises(ValueError, match="off, decode, all"):
+        QuantizedLinearMethod(kernel, "sometimes")
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])
@@ -270,7 +284,7 @@ def test_panel_layout_rows_are_dequantized(dtype):
 def test_panel_layout_with_int8_activations():
     """The int8 product unpacks the panel layout to the same panels as the row layout: equal outputs."""
     kernel = panel_kernel()
-    method = QuantizedLinearMethod(kernel, int8_activations=True)
+    method = QuantizedLinearMethod(kernel, int8_activations="all")
     for qtype in (QType.Q4_0, QType.Q4_K, QType.Q5_0, QType.Q5_K, QType.Q6_K):
         weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 40, 512, seed=2), qtype, 40, 512),))
         x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))

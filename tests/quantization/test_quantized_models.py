@@ -159,7 +159,7 @@ def test_int8_activations_end_to_end(smollm2):
     text = sequence(dequantized)
     int8 = LLMEngine(EngineConfig(model=smollm2, dtype="float32", kv_cache_memory="64MiB",
                                   cpu_int8_activations=True))
-    assert all(m.method.int8 for m in int8.model.modules() if isinstance(m, Linear))
+    assert all(m.method.int8_mode == "all" for m in int8.model.modules() if isinstance(m, Linear))
     with torch.profiler.profile() as prof:
         top = teacher_forced_top1(int8, text)
     assert "twostep::quant_gemm_int8" in {e.key for e in prof.key_averages()}

@@ -53,7 +53,9 @@ class EngineConfig:
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     cpu_gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
-    cpu_int8_activations: bool = False     # quantized weights, 8+ rows: int8 activations as llama.cpp (faster, noisier)
+    # quantized weights on CPU, 8+ rows: int8 activations as llama.cpp rounds them (faster, noisier):
+    # "decode" in decode batches (8+ sequences), "all" also prompts, "off"; True / False: all / off
+    cpu_int8_activations: str | bool = "decode"
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
     max_n: int = 128                       # the most completions one request may ask for
@@ -77,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                              f"got {self.scheduling_policy!r}")
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
+        if isinstance(self.cpu_int8_activations, bool):
+            self.cpu_int8_activations = "all" if self.cpu_int8_activations else "off"
+        if self.cpu_int8_activations not in ("off", "decode", "all"):
+            raise ValueError(f"cpu_int8_activations must be off, decode or all; got {self.cpu_int8_activations!r}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", *DTYPES):

@@ -99,8 +99,9 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
     model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend)
     if model.fused_decode is not None:
-        logger.info("decode steps of up to %d rows: the %d layers in one C++ call", model.fused_decode.max_rows,
-                    shard.num_layers)
+        rows = model.fused_decode.max_rows
+        logger.info("decode steps of %s: the %d layers in one C++ call",
+                    "any batch" if rows >= 1 << 30 else f"up to {rows} rows", shard.num_layers)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
     kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,

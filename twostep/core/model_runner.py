@@ -22,6 +22,7 @@ from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, Sched
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.kv_transfer.blocks import scatter_blocks
 from twostep.models.decoder import DecoderForCausalLM
+from twostep.platforms.step_kind import decode_batch
 from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
 from twostep.sample.sampler import Sampler, SamplingRow, prompt_logprobs
 
@@ -113,10 +114,12 @@ class ModelRunner:
             inputs = inputs.to(self.device)
         self.ensure_zeroed(inputs.blocks)
         meta = self.backend.build_metadata(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)
-        if rows is None:
-            return hidden, None
-        return hidden, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        # every row one sequence's next token: the kernels may take the decode batch's faster products
+        with decode_batch(all(n == 1 for n in inputs.meta.query_lens)):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)
+            if rows is None:
+                return hidden, None
+            return hidden, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def ensure_zeroed(self, block_ids: list[int]) -> None:
         """Zero those of these blocks that were never written (see __init__)."""

@@ -55,7 +55,7 @@ class WorkerSpec:
     device: str
     cpu_prepack_weights: bool
     cpu_gemv: bool
-    cpu_int8_activations: bool
+    cpu_int8_activations: str             # off | decode | all (EngineConfig)
     backend: str                    # gloo | nccl
     init_method: str
     timeout_s: float

@@ -27,9 +27,10 @@ class LinearMethod(Protocol):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         ...
 
-    def fused(self, layer: "Linear", kernel) -> tuple[object, int | None] | None:
+    def fused(self, layer: "Linear", kernel, dtype: torch.dtype) -> tuple[object, int | None] | None:
         """The layer as kernel.FusedLinear (twostep/kernels/decode_step.cpp) computing what apply()
-        does, and the most rows it may take that way (None: any); None where it cannot."""
+        does in a decode step of `dtype` activations, and the most rows it may take that way (None:
+        any); None where it cannot."""
         ...
 
 
@@ -44,7 +45,7 @@ class UnquantizedLinearMethod:
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
-    def fused(self, layer: "Linear", kernel) -> tuple[object, int | None]:
+    def fused(self, layer: "Linear", kernel, dtype: torch.dtype) -> tuple[object, int | None]:
         bias = None if layer.bias is None else layer.bias.detach()
         linear = kernel.FusedLinear(layer.out_features, bias)
         linear.set_weight(layer.weight.detach(), False)      # at::linear, as F.linear

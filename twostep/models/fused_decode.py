@@ -53,13 +53,13 @@ def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBa
             or backend.write_values is None or any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)):
         return None
     try:
-        return _build(model, kernel, backend)
+        return _build(model, kernel, backend, dtype)
     except RuntimeError as e:       # an op it calls is not registered (its kernel did not load)
         logger.warning("decode stack unavailable (%s); decode steps run layer by layer", str(e).splitlines()[0])
         return None
 
 
-def _build(model, kernel, backend: HybridBackend) -> FusedDecode | None:
+def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDecode | None:
     cfg = model.config
     stack = kernel.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                 cfg.head_dim ** -0.5)
@@ -68,7 +68,7 @@ def _build(model, kernel, backend: HybridBackend) -> FusedDecode | None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            fused = linear.method.fused(linear, kernel)
+            fused = linear.method.fused(linear, kernel, dtype)
             if fused is None:
                 return None
             linears.append(fused[0])

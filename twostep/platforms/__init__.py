@@ -18,7 +18,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def get_platform(device: torch.device, cpu_prepack_weights: bool = True, cpu_gemv: bool = True,
-                 cpu_int8_activations: bool = False) -> Platform:
+                 cpu_int8_activations: str = "decode") -> Platform:
     if device.type == "cpu":
         return CpuPlatform(device, cpu_prepack_weights, cpu_gemv, cpu_int8_activations)
     return Platform(device)

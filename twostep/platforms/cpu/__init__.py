@@ -23,7 +23,7 @@ class CpuPlatform(Platform):
     name = "cpu"
 
     def __init__(self, device: torch.device, prepack_weights: bool = True, gemv: bool = True,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: str = "decode") -> None:
         super().__init__(device)
         self.prepack_weights, self.gemv, self.int8_activations = prepack_weights, gemv, int8_activations
         self._linear_methods: dict[torch.dtype, PackedLinearMethod | None] = {}

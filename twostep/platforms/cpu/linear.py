@@ -48,7 +48,7 @@ class PackedLinearMethod:
             return self.gemv.linear_bf16(x, layer.row_major_weight, layer.plain_bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.plain_bias, "none", [], "")
 
-    def fused(self, layer, kernel):
+    def fused(self, layer, kernel, dtype: torch.dtype):
         """Rows up to GEMV_MAX_ROWS through the same linear_bf16 op (more take oneDNN: not fused)."""
         if self.gemv is None:
             return None

@@ -10,15 +10,21 @@ More rows (prefill, large decode batches) dequantize the weight a tile of rows a
 model's dtype and multiply with oneDNN / MKL, so prefill runs at the float matmul's rate plus the
 dequantisation, which those rows share. An embedding dequantizes only the rows it looks up.
 
-With int8 activations (--cpu-int8-activations, off by default), inputs of INT8_ROWS rows or more
-take the kernel's int8 product instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI):
-activations quantized per block of 32 to int8 as llama.cpp quantizes them for its products. On an
-AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64
-rows; on a Zen 4 with VNNI 1.2-1.3x the passes at 8 rows before one row tile read the panel layout in
-place (which made 8 rows 1.17-1.2x faster), 2.0-2.1x at 32 (benchmarks/RESULTS.md); but its rounding (a step of
-max|x| / 127 per block) is noise enough to flip a close top token: the default SmolLM2 file's
-answer to "What is the capital of France?" starts "L'Étoile" with it (a 0.08-nat lead of "The"
-lost), "The capital of France is Paris." without.
+With int8 activations, inputs of INT8_ROWS rows or more take the kernel's int8 product instead, for
+4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block of 32 to int8
+as llama.cpp quantizes them for all its products. On an AVX2 EPYC it is 1.5-2x MKL's float32 GEMM
+at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows; on a Zen 4 with VNNI 2.0-2.1x the
+passes at 32 rows (benchmarks/RESULTS.md). Its rounding (a step of max|x| / 127 per block) is noise
+enough to flip a close top token: with it in the prompt's rows the default SmolLM2 file's answer to
+"What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
+"The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
+  decode (the default): 16-bit activations (bf16, fp16) in the steps of a decode batch
+    (platforms/step_kind.py: every row one sequence's next token), where 8 rows or more are 8
+    sequences or more: batch throughput at llama.cpp's precision, while a prompt's forward,
+    speculative verification, one user's decode and float32 models (chosen for exactness) keep
+    the 16-bit (float32: int16) activations;
+  all: every input of 8 rows or more, prompts and float32 too (the fastest prefill);
+  off: never.
 """
 from __future__ import annotations
 
@@ -28,10 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from twostep import kernels
+from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
 INT8_ROWS = 8              # with int8 activations: from this many rows, the int8 product
+INT8_MODES = ("off", "decode", "all")     # where int8 activations apply (above)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
 # shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
@@ -45,12 +53,22 @@ class QuantizedLinearMethod:
     """A LinearMethod (layers/linear.py) for layers whose weight is a QuantizedWeight
     (layer.quantized); the layer keeps no float weight."""
 
-    def __init__(self, kernel, int8_activations: bool = False) -> None:
+    def __init__(self, kernel, int8_activations: str = "off") -> None:
+        if int8_activations not in INT8_MODES:
+            raise ValueError(f"int8 activations: one of {', '.join(INT8_MODES)}; got {int8_activations!r}")
         self.kernel = kernel
-        self.int8 = int8_activations and kernel.has_int8()
-        self.int8_bits = frozenset(kernel.int8_bits()) if self.int8 else frozenset()   # code widths it takes
+        self.int8_mode = int8_activations if kernel.has_int8() else "off"
+        self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
-        self.name = f"quantized ({kernel.path()} kernel{', int8 activations from 8 rows' if self.int8 else ''})"
+        where = {"off": "", "decode": ", int8 activations in decode batches of 8+",
+                 "all": ", int8 activations from 8 rows"}[self.int8_mode]
+        self.name = f"quantized ({kernel.path()} kernel{where})"
+
+    def int8_for(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take the int8 product (for the code widths it takes)."""
+        if self.int8_mode == "off" or x.shape[0] < INT8_ROWS:
+            return False
+        return self.int8_mode == "all" or (x.element_size() == 2 and in_decode_batch())
 
     def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The layout this kernel multiplies fastest: the panel layout for the parts it fits."""
@@ -71,7 +89,8 @@ class QuantizedLinearMethod:
         layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.is_contiguous():
+        if (layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous()
+                and not self.int8_for(x)):
             y = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
             self.kernel.gemv(x, *layer.gemv_args, y)          # batch-1 decode: the short way
         else:
@@ -80,27 +99,27 @@ class QuantizedLinearMethod:
             y = y + layer.plain_bias
         return y
 
-    def fused(self, layer, kernel):
-        """Up to GEMV_ROWS rows: one quant_gemv per part into its columns (quant_gemm_int8 from
-        INT8_ROWS with int8 activations), as apply() and matmul().
+    def fused(self, layer, kernel, dtype: torch.dtype):
+        """One quant_gemv per part into its columns, and where int8 activations apply to `dtype`
+        in a decode batch (the decode stack's steps are decode batches) quant_gemm_int8 from
+        INT8_ROWS for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
+        number where every part takes the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
         if self.kernel is not kernels.quant_linear():
             return None
+        int8 = self.int8_mode == "all" or (self.int8_mode == "decode" and dtype.itemsize == 2)
+        int8_bits = self.int8_bits if int8 else frozenset()
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if part.fmt.bits in self.int8_bits else 0)
-        return linear, GEMV_ROWS
-
-    @property
-    def gemv_rows(self) -> int:
-        """The most rows apply() hands straight to the matrix-vector product."""
-        return INT8_ROWS - 1 if self.int8 else GEMV_ROWS
+            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if part.fmt.bits in int8_bits else 0)
+        every_part_int8 = all(p.fmt.bits in int8_bits for p in layer.quantized.parts)
+        return linear, None if every_part_int8 else GEMV_ROWS
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
         x = x.contiguous()
-        return self._int8(weight, x) if self.int8 and x.shape[0] >= INT8_ROWS else self._plain(weight, x)
+        return self._int8(weight, x) if self.int8_for(x) else self._plain(weight, x)
 
     def _int8(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """The int8 product for parts of the code widths it takes (4 to 6 bits; 8 too with VNNI);

@@ -1,0 +1,33 @@
+"""What kind of step a forward belongs to, for the platform kernels that choose by it.
+
+The model runner sets it around a step's forward and its logits, as torch.autocast sets a dtype
+for the ops inside it (and vLLM a forward context); a linear method reads it. A layer sees only
+its input rows: eight rows may be eight sequences' next tokens or one prompt's first eight, and
+only the step knows which.
+
+One fact so far: a decode batch, a step in which every row is one sequence's next token (no
+prompt chunk of more than one token, no drafts to verify). With --cpu-int8-activations decode
+(the default), the quantized products of such steps round 16-bit activations to int8 from 8 rows
+(platforms/cpu/quant_linear.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+_decode_batch: contextvars.ContextVar[bool] = contextvars.ContextVar("twostep_decode_batch", default=False)
+
+
+@contextlib.contextmanager
+def decode_batch(active: bool) -> Iterator[None]:
+    """Within it, in_decode_batch() is `active` (this thread and context only)."""
+    token = _decode_batch.set(active)
+    try:
+        yield
+    finally:
+        _decode_batch.reset(token)
+
+
+def in_decode_batch() -> bool:
+    return _decode_batch.get()
