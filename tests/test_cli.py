@@ -93,3 +93,23 @@ assert alive() is None, "a cycle made after the import was not collected"
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("argv,expected", [([], "decode"), (["--cpu-int8-activations"], "all"),
+                                           (["--cpu-int8-activations", "off"], "off"),
+                                           (["--cpu-int8-activations", "decode"], "decode")])
+def test_int8_activations_flag(argv, expected):
+    """decode by default, the flag alone all (what it meant when it was a switch), or as named;
+    the Python API also takes True / False for all / off and refuses anything else."""
+    import argparse
+
+    from twostep import EngineConfig
+    from twostep.cli import add_engine_args, engine_config_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from(p.parse_args(argv)).cpu_int8_activations == expected
+    assert EngineConfig(cpu_int8_activations=True).cpu_int8_activations == "all"
+    assert EngineConfig(cpu_int8_activations=False).cpu_int8_activations == "off"
+    with pytest.raises(ValueError, match="off, decode or all"):
+        EngineConfig(cpu_int8_activations="sometimes")
