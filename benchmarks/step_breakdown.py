@@ -123,7 +123,7 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
     return parts
 
 
-WEIGHT_OPS = ("twostep::quant_gemv", "twostep::linear_bf16", "aten::linear")
+WEIGHT_OPS = ("twostep::quant_gemv", "twostep::quant_gemm_int8", "twostep::linear_bf16", "aten::linear")
 ATTENTION_OPS = ("twostep::paged_decode_attention", "twostep::write_kv")
 STACK = "twostep::decode_layers"
 

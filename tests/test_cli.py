@@ -97,7 +97,8 @@ assert alive() is None, "a cycle made after the import was not collected"
 
 @pytest.mark.parametrize("argv,expected", [([], "decode"), (["--cpu-int8-activations"], "all"),
                                            (["--cpu-int8-activations", "off"], "off"),
-                                           (["--cpu-int8-activations", "decode"], "decode")])
+                                           (["--cpu-int8-activations", "decode"], "decode"),
+                                           (["--no-cpu-int8-activations"], "off")])
 def test_int8_activations_flag(argv, expected):
     """decode by default, the flag alone all (what it meant when it was a switch), or as named;
     the Python API also takes True / False for all / off and refuses anything else."""

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "block of 32 as llama.cpp rounds them, for its speed at its precision. decode (default): "
                         "in decode batches of 8+ sequences; all (the flag alone): prompts too; off: never, the "
                         "16-bit activations (the float product within 2**-16)")
+    p.add_argument("--no-cpu-int8-activations", dest="cpu_int8_activations", action="store_const", const="off",
+                   help="the same as --cpu-int8-activations off")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '

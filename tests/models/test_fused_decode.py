@@ -126,6 +126,29 @@ def test_a_decode_batch_of_twelve_takes_the_stack_with_int8_activations(tiny_mod
     assert plain != fused                                         # decode batches: int8
 
 
+def test_a_prompts_last_token_beside_decodes_is_not_a_decode_batch(tiny_model_dir):
+    """A one-token prompt scheduled beside eight decodes makes nine one-token rows, but not a
+    decode batch: the stack leaves the step to the layers, and its first token's logprobs are
+    those of --cpu-int8-activations off (16-bit), while the decodes of the steps after round."""
+    int8_or_skip()
+
+    def first_logprobs(mode: str):
+        engine = stack_or_skip(make(tiny_model_dir("llama"), dtype="bfloat16", quantization="int4",
+                                    max_num_batched_tokens=256, cpu_int8_activations=mode))
+        counted = CountedStack(engine)
+        for i in range(8):
+            engine.add_request([5 + i, 6, 7, 8 + i], PARAMS)
+        engine.step()                                     # the eight prompts
+        engine.step()                                     # eight decodes: a decode batch
+        assert counted.taken == 1
+        late = engine.add_request([3], SamplingParams(temperature=0, max_tokens=2, logprobs=2))
+        outputs = {out.request_id: out for out in engine.step()}    # its prompt beside eight decodes
+        assert counted.taken == 1
+        return [{t: lp.logprob for t, lp in d.items()} for d in outputs[late].outputs[0].logprobs]
+
+    assert first_logprobs("decode") == first_logprobs("off")
+
+
 def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
     """Without int8 activations the stack takes what the matrix-vector kernel takes: 8 rows."""
     engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256,
@@ -169,8 +192,8 @@ def test_a_pure_decode_step_runs_no_python_layer(tiny_model_dir, monkeypatch):
     for prompt in PROMPTS[:3]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     scheduler = engine.scheduler
-    while scheduler.waiting or any(r.is_prefilling for r in scheduler.running):
-        engine.step()                                # the prefills
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()                                # the prefills, their last tokens too
     calls = []
     original = DecoderLayer.forward
     monkeypatch.setattr(DecoderLayer, "forward", lambda *a: calls.append(1) or original(*a))

@@ -35,12 +35,16 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     blocks: list[int]            # blocks written this step (zeroed on first use)
+    # every row one sequence's next generated token (no prompt rows, no drafts): the kernels may
+    # take a decode batch's faster products (platforms/step_kind.py)
+    decode_batch: bool = False
 
     def to(self, device: torch.device) -> "StepInputs":
         """On another device (a step crosses processes in host memory)."""
         meta = dataclasses.replace(self.meta, slot_mapping=self.meta.slot_mapping.to(device),
                                    block_tables=self.meta.block_tables.to(device))
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.blocks)
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.blocks,
+                          self.decode_batch)
 
 
 class StepBroadcast(Protocol):
@@ -114,8 +118,7 @@ class ModelRunner:
             inputs = inputs.to(self.device)
         self.ensure_zeroed(inputs.blocks)
         meta = self.backend.build_metadata(inputs.meta)
-        # every row one sequence's next token: the kernels may take the decode batch's faster products
-        with decode_batch(all(n == 1 for n in inputs.meta.query_lens)):
+        with decode_batch(inputs.decode_batch):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)
             if rows is None:
                 return hidden, None
@@ -163,7 +166,8 @@ class ModelRunner:
             is_decode=[s.num_tokens == 1 or bool(s.spec_token_ids) for s in items],
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return StepInputs(to_dev(ids), to_dev(pos), meta, sorted({sl // bs for sl in slots}))
+        return StepInputs(to_dev(ids), to_dev(pos), meta, sorted({sl // bs for sl in slots}),
+                          all(s.is_decode and not s.spec_token_ids for s in items))
 
     def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])

@@ -8,8 +8,8 @@
 //   The second term needs only each block's sum of xq, computed once per call.
 //   Paths, chosen where the kernel is built (on the machine that runs it, -march=native):
 //   AVX-VNNI / AVX512-VNNI dpwssd, AVX2 madd, and plain C++ as the fallback.
-// gemm_int8 (AVX2 and up, 4 to 6-bit codes, 8-bit too with VNNI; the engine's opt-in
-//   --cpu-int8-activations): any number of rows with the activations quantized per block of 32 to
+// gemm_int8 (AVX2 and up, 4 to 6-bit codes, 8-bit too with VNNI; the engine's
+//   --cpu-int8-activations, by default in decode batches): any number of rows with the activations quantized per block of 32 to
 //   int8, as llama.cpp quantizes them for its products (a step of max|x| / 127 a block: about
 //   bf16's precision at best, enough noise to flip a close top token), a panel of 8 weight rows
 //   unpacked to bytes once for every row of x, u8 x s8 multiply-adds (VNNI's vpdpbusd in int32,

@@ -7,8 +7,10 @@ C++ stack runs the same registered ops in the same order with the same arguments
 bit-identical to the layers' (tests/models/test_fused_decode.py checks it in float32 and bf16, with
 and without q/k norms and biases, for quantized, bf16 and float32 weights).
 
-It takes a step when every row decodes one token (no prompt chunk, no drafts to verify), at most
-`max_rows` of them (the fewest any linear's matrix-vector path takes), through the attention backend
+It takes a decode batch (platforms/step_kind.py: every row one sequence's next generated token; not
+a prompt's last token, no drafts to verify), at most `max_rows` rows (the fewest any linear's
+matrix-vector path takes; any number where every quantized part takes the int8 product, which a
+decode batch may use from 8 rows), through the attention backend
 it was built for (the paged decode kernel, an unquantized cache) and on one rank. Any other step runs
 the layers one by one: one model, two ways of driving it.
 """
@@ -21,6 +23,7 @@ import torch
 from twostep.attention.backend import HybridBackend
 from twostep.attention.paged_decode import PagedDecode
 from twostep.platforms import Platform
+from twostep.platforms.step_kind import in_decode_batch
 
 # The per-layer ops the C++ stack calls through the dispatcher: the platform must run each of them
 # in the layers too, or the two ways would compute different things.
@@ -37,7 +40,8 @@ class FusedDecode:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for a step it takes, else None."""
         # the backend it was built for builds HybridMetadata
-        if (backend is not self.backend or meta.prefill_rows or meta.decode is None or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
+        if (not in_decode_batch() or backend is not self.backend or meta.prefill_rows or meta.decode is None
+                or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
             return None
         plan = meta.decode
         return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],

@@ -5,10 +5,11 @@ for the ops inside it (and vLLM a forward context); a linear method reads it. A 
 its input rows: eight rows may be eight sequences' next tokens or one prompt's first eight, and
 only the step knows which.
 
-One fact so far: a decode batch, a step in which every row is one sequence's next token (no
-prompt chunk of more than one token, no drafts to verify). With --cpu-int8-activations decode
-(the default), the quantized products of such steps round 16-bit activations to int8 from 8 rows
-(platforms/cpu/quant_linear.py).
+One fact so far: a decode batch, a step in which every row is one sequence's next generated token
+(no prompt rows, not even a prompt's last token alone; no drafts to verify). With
+--cpu-int8-activations decode (the default), the quantized products of such steps (the lm_head's
+included) round 16-bit activations to int8 from 8 rows (platforms/cpu/quant_linear.py); the decode
+stack (models/fused_decode.py) takes only such steps.
 """
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ enough to flip a close top token: with it in the prompt's rows the default SmolL
 "What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
 "The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
   decode (the default): 16-bit activations (bf16, fp16) in the steps of a decode batch
-    (platforms/step_kind.py: every row one sequence's next token), where 8 rows or more are 8
-    sequences or more: batch throughput at llama.cpp's precision, while a prompt's forward,
-    speculative verification, one user's decode and float32 models (chosen for exactness) keep
+    (platforms/step_kind.py: every row one sequence's next generated token), the lm_head's logits
+    included, where 8 rows or more are 8 sequences or more: batch throughput at llama.cpp's
+    precision, while a prompt's forward (its last token too), speculative verification, one user's decode and float32 models (chosen for exactness) keep
     the 16-bit (float32: int16) activations;
   all: every input of 8 rows or more, prompts and float32 too (the fastest prefill);
   off: never.
@@ -54,13 +54,15 @@ class QuantizedLinearMethod:
     (layer.quantized); the layer keeps no float weight."""
 
     def __init__(self, kernel, int8_activations: str = "off") -> None:
+        """int8_activations: where the int8 product applies (above; the engine passes its
+        --cpu-int8-activations, whose default is decode; "off" here, for a method built by hand)."""
         if int8_activations not in INT8_MODES:
             raise ValueError(f"int8 activations: one of {', '.join(INT8_MODES)}; got {int8_activations!r}")
         self.kernel = kernel
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
-        where = {"off": "", "decode": ", int8 activations in decode batches of 8+",
+        where = {"off": "", "decode": ", int8 activations in bf16/fp16 decode batches of 8+",
                  "all": ", int8 activations from 8 rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
 
