@@ -22,7 +22,9 @@ from twostep.models.loader import resolve_model_path
 
 
 def ours_prefill(llm: LLM, n: int, seed: int) -> float:
-    ids = torch.randint(100, 10000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    vocab = llm.engine.model.config.vocab_size      # ids 100-9999, or within a tiny test vocabulary
+    ids = torch.randint(min(100, vocab // 2), min(10000, vocab), (n,),
+                        generator=torch.Generator().manual_seed(seed)).tolist()
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
     return n / out.metrics.ttft
 

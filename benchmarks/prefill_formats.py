@@ -13,17 +13,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-
-from twostep import LLM, SamplingParams
-
-
-def prefill_rate(llm: LLM, n: int, seed: int) -> float:
-    """Tokens/s of one prompt of n random tokens (time to first token)."""
-    vocab = llm.engine.model.config.vocab_size
-    ids = torch.randint(min(100, vocab // 2), min(10000, vocab), (n,), generator=torch.Generator().manual_seed(seed))
-    out = llm.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
-    return n / out.metrics.ttft
+from bench_phases import ours_prefill
+from twostep import LLM
+from twostep.config.engine import INT8_ACTIVATION_MODES
 
 
 def main() -> None:
@@ -33,18 +25,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--int8-activations", default="decode", choices=["off", "decode", "all"],
+    ap.add_argument("--int8-activations", default="decode", choices=INT8_ACTIVATION_MODES,
                     help="the engine's --cpu-int8-activations (all: prompts too; a float file is unaffected)")
     args = ap.parse_args()
     llms = [LLM(f, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
                 kv_cache_memory="256MiB", max_model_len=args.prompt_len + 8,
                 cpu_int8_activations=args.int8_activations) for f in args.files]
     for llm in llms:
-        prefill_rate(llm, 16, seed=0)                                   # warm-up
+        ours_prefill(llm, 16, seed=0)                                   # warm-up
     rates: list[list[float]] = [[] for _ in llms]
     for rep in range(args.reps):
         for i, llm in enumerate(llms):
-            rates[i].append(prefill_rate(llm, args.prompt_len, seed=rep))
+            rates[i].append(ours_prefill(llm, args.prompt_len, seed=rep))
         print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{r[-1]:.0f}" for r in rates), flush=True)
     first = statistics.median(rates[0])
     print(f"\nprefill {args.prompt_len}, tokens/s, medians of {args.reps}")

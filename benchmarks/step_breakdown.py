@@ -43,6 +43,7 @@ from twostep import LLM, SamplingParams
 from twostep.analysis.ceilings import gemv_bandwidth
 from twostep.layers.custom_op import CustomOp
 from twostep.layers.dispatch import streamed_weight_bytes, weight_bytes
+from twostep.config.engine import INT8_ACTIVATION_MODES
 from twostep.layers.linear import Linear
 
 
@@ -212,7 +213,7 @@ def main() -> None:
     ap.add_argument("--gemv-bound", action="store_true",
                     help="measure the bf16 GEMV rate (bench ceilings') around each rep: the step against it")
     ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
-    ap.add_argument("--int8-activations", nargs="?", const="all", default="decode", choices=["off", "decode", "all"],
+    ap.add_argument("--int8-activations", nargs="?", const="all", default="decode", choices=INT8_ACTIVATION_MODES,
                     help="the engine's --cpu-int8-activations (default: decode, the engine's)")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each sequence's prompt")
     args = ap.parse_args()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from twostep import __version__
 from twostep.config import QUANTIZATION_METHODS, EngineConfig
-from twostep.config.engine import canonical_dtype
+from twostep.config.engine import INT8_ACTIVATION_MODES, canonical_dtype
 from twostep.config.kv_cache_dtype import canonical_kv_dtype
 from twostep.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bf16 on CPU: batch-1 linears through the C++ matrix-vector kernel, which keeps a "
                         "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
     p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
-                   choices=["off", "decode", "all"],
+                   choices=INT8_ACTIVATION_MODES,
                    help="quantized weights on CPU, inputs of 8 rows or more: activations rounded to int8 per "
                         "block of 32 as llama.cpp rounds them, for its speed at its precision. decode (default): "
                         "in decode batches of 8+ sequences; all (the flag alone): prompts too; off: never, the "

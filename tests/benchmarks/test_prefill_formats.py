@@ -8,6 +8,7 @@ _DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_every_file_against_the_first(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(_DIR))                  # it imports bench_phases beside it
     spec = importlib.util.spec_from_file_location("benchmarks_prefill_formats", _DIR / "prefill_formats.py")
     prefill_formats = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prefill_formats)

@@ -33,6 +33,10 @@ def canonical_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
+# where quantized products on CPU round activations to int8 (platforms/cpu/quant_linear.py)
+INT8_ACTIVATION_MODES = ("off", "decode", "all")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None               # folder, .gguf file or hub id; None -> packaged default
@@ -81,7 +85,7 @@ class EngineConfig:
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
         if isinstance(self.cpu_int8_activations, bool):
             self.cpu_int8_activations = "all" if self.cpu_int8_activations else "off"
-        if self.cpu_int8_activations not in ("off", "decode", "all"):
+        if self.cpu_int8_activations not in INT8_ACTIVATION_MODES:
             raise ValueError(f"cpu_int8_activations must be off, decode or all; got {self.cpu_int8_activations!r}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

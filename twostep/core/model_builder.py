@@ -18,7 +18,7 @@ from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
 from twostep.models.decoder import DecoderForCausalLM
-from twostep.models.fused_decode import fuse_decode
+from twostep.models.fused_decode import ANY_ROWS, fuse_decode
 from twostep.models.loader import build_model, load_checkpoint, num_weights
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
@@ -101,7 +101,7 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     if model.fused_decode is not None:
         rows = model.fused_decode.max_rows
         logger.info("decode steps of %s: the %d layers in one C++ call",
-                    "any batch" if rows >= 1 << 30 else f"up to {rows} rows", shard.num_layers)
+                    "any batch" if rows >= ANY_ROWS else f"up to {rows} rows", shard.num_layers)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
     kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,

@@ -29,6 +29,8 @@ from twostep.platforms.step_kind import in_decode_batch
 # in the layers too, or the two ways would compute different things.
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_")
 
+ANY_ROWS = 1 << 30          # max_rows where no linear limits the rows
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,8 +42,8 @@ class FusedDecode:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for a step it takes, else None."""
         # the backend it was built for builds HybridMetadata
-        if (not in_decode_batch() or backend is not self.backend or meta.prefill_rows or meta.decode is None
-                or not meta.decode.rows.whole or x.shape[0] > self.max_rows):
+        # a decode batch (every row one sequence's one token) has only whole decode rows in the metadata
+        if not in_decode_batch() or backend is not self.backend or x.shape[0] > self.max_rows:
             return None
         plan = meta.decode
         return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],
@@ -82,4 +84,4 @@ def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDe
         k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                         q_norm, k_norm, *linears)
-    return FusedDecode(stack, min(limits, default=1 << 30), backend)
+    return FusedDecode(stack, min(limits, default=ANY_ROWS), backend)

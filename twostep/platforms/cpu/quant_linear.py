@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from twostep import kernels
+from twostep.config.engine import INT8_ACTIVATION_MODES
 from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
 INT8_ROWS = 8              # with int8 activations: from this many rows, the int8 product
-INT8_MODES = ("off", "decode", "all")     # where int8 activations apply (above)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
 # shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
@@ -56,8 +56,8 @@ class QuantizedLinearMethod:
     def __init__(self, kernel, int8_activations: str = "off") -> None:
         """int8_activations: where the int8 product applies (above; the engine passes its
         --cpu-int8-activations, whose default is decode; "off" here, for a method built by hand)."""
-        if int8_activations not in INT8_MODES:
-            raise ValueError(f"int8 activations: one of {', '.join(INT8_MODES)}; got {int8_activations!r}")
+        if int8_activations not in INT8_ACTIVATION_MODES:
+            raise ValueError(f"int8 activations: one of {', '.join(INT8_ACTIVATION_MODES)}; got {int8_activations!r}")
         self.kernel = kernel
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
