@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from twostep import kernels
-from twostep.platforms.cpu.quant_linear import GEMV_MAX_ROWS, QuantizedLinearMethod
+from twostep.platforms.cpu.quant_linear import BF16_GEMM_GEMV_MAX_ROWS, GEMV_MAX_ROWS, QuantizedLinearMethod
 from twostep.platforms.step_kind import decode_batch
 from twostep.quantization.gguf_blocks import PACKED_TYPES, gguf_bits_per_weight, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
@@ -362,4 +362,62 @@ def test_wide_pass_builds_take_more_rows_in_passes():
         assert method.gemv_max_rows(method.prepare(w), torch.float32) == GEMV_MAX_ROWS
     if not kernel.wide_pass():
         pytest.skip("this build has no 8-row pass (AVX2 or portable)")
-    assert [method.gemv_max_rows(method.prepare(w), torch.bfloat16) for w in weights.values()] == [64, 64, 32]
+    assert [method.gemv_max_rows(method.prepare(w), torch.float16) for w in weights.values()] == [64, 64, 32]
+    bf16 = [method.gemv_max_rows(method.prepare(w), torch.bfloat16) for w in weights.values()]
+    assert bf16 == ([BF16_GEMM_GEMV_MAX_ROWS] * 3 if kernel.has_bf16_gemm() else [64, 64, 32])
+
+
+def bf16_gemm_kernel():
+    kernel = panel_kernel()
+    if not kernel.has_bf16_gemm():
+        pytest.skip("gemm_bf16 needs AVX512-BF16 (or AMX) and torch's oneDNN brgemm")
+    return kernel
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+# 64 weight rows a thread dequantizes at a time, then a tail of 8; 1024 weights of k a brgemm call, so
+# 1056 / 1280 take a second call that adds to the first's sums; 300 rows: a block of 256 and a tail
+GEMM_CASES = [(q, n, k) for q in PACKED_TYPES
+              for n, k in ([(8, 32), (136, 96), (72, 1056)] if gguf.GGML_QUANT_SIZES[q][0] == 32
+                           else [(8, 256), (136, 512), (72, 1280)])]
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("qtype,n,k", GEMM_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in GEMM_CASES])
+def test_bf16_gemm_product(qtype, n, k, rows):
+    """gemm_bf16: bf16 rows against the panel layout, the weights dequantized and rounded to bf16 as
+    the tiles round them, float32 sums rounded to bf16: within a bf16 step of that float32 product
+    (the packed weights against gguf's dequantizer: test_packed_layout_reads_back_as_gguf_dequantizes),
+    into a view of wider rows without touching the columns beside it."""
+    kernel = bf16_gemm_kernel()
+    panels = QuantizedLinearMethod(kernel).prepare(
+        QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=n + k), qtype, n, k),))).parts[0]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    expected = x.float() @ panels.dequantize().bfloat16().float().t()
+    wide = torch.full((rows, n + 16), 7.0, dtype=torch.bfloat16)
+    kernel.gemm_bf16(x, *panels.planes(), panels.fmt.bits, panels.fmt.group, panels.fmt.zero, wide[:, 8:8 + n])
+    assert torch.all(wide[:, :8] == 7) and torch.all(wide[:, 8 + n:] == 7)
+    torch.testing.assert_close(wide[:, 8:8 + n].float(), expected, rtol=2 ** -7, atol=1e-5 * expected.abs().max().item())
+
+
+def test_bf16_gemm_is_the_prefill_product():
+    """On a CPU with AVX512-BF16 the build has gemm_bf16, and a bf16 prompt's rows against the panel
+    layout take it (not the dequantized tiles): one quant_gemm_bf16 call per part, no dequantize_rows."""
+    kernel = panel_kernel()
+    if {"avx512_bf16", "avx512vl", "avx512bw"} <= cpu_flags() or "amx_bf16" in cpu_flags():
+        assert kernel.has_bf16_gemm()
+    kernel = bf16_gemm_kernel()
+    method = QuantizedLinearMethod(kernel)
+    parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_K, 64), (QType.Q6_K, 16))]
+    weight = method.prepare(QuantizedWeight.stack(parts))
+    x = torch.randn(BF16_GEMM_GEMV_MAX_ROWS + 1, 256).bfloat16()
+    with torch.profiler.profile() as prof:
+        got = method.matmul(weight, x)
+    names = [e.name for e in prof.events()]
+    assert names.count("twostep::quant_gemm_bf16") == 2 and "twostep::quant_dequantize_rows" not in names
+    tiles = torch.cat([method.dequantize(p, torch.arange(p.n), torch.bfloat16) for p in weight.parts])
+    torch.testing.assert_close(got.float(), (x.float() @ tiles.float().t()), rtol=2 ** -7, atol=1e-3)

@@ -6,9 +6,15 @@ dequantized weights within float rounding) and writes its float32 sums in the ac
 Where the kernel has it (the SIMD builds), weights of a multiple of 8 rows (every format) are
 bound in the panel layout (quantization/packed.py): eight rows interleaved, so the product gets
 eight output columns per vector without horizontal sums; the row layout's bytes are dropped.
-More rows (prefill, large decode batches) dequantize the weight a tile of rows at a time into the
-model's dtype and multiply with oneDNN / MKL, so prefill runs at the float matmul's rate plus the
-dequantisation, which those rows share. An embedding dequantizes only the rows it looks up.
+More rows (prefill, large decode batches) of bf16 activations against the panel layout take the
+kernel's gemm_bf16 where the CPU has AVX512-BF16 (or AMX): each thread dequantizes 64 weight rows at
+a time into a buffer in its L2 cache, in the layout oneDNN's brgemm micro-kernel multiplies, and
+multiplies every row against them, at the rate of oneDNN's product on pre-packed bf16 weights
+(0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
+linear.py). Other dtypes and layouts dequantize the weight a tile of rows at a time into the model's
+dtype and multiply with oneDNN / MKL: the float matmul's rate on unpacked weights, plus the tiles'
+trip through memory (0.77-0.85x of the pre-packed product). An embedding dequantizes only the rows
+it looks up.
 
 With int8 activations, inputs of INT8_ROWS rows or more take the kernel's int8 product instead, for
 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block of 32 to int8
@@ -46,6 +52,9 @@ GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequ
 # for 5, 0.82x for 6). Float32 activations keep 32: their tiles are float32 math, which the exactness
 # tests against transformers hold a whole prompt to, where the passes' int16 activations are not.
 WIDE_GEMV_MAX_ROWS = {4: 64, 5: 48, 6: 32, 8: 64}
+# ... and for bf16 activations where the kernel has gemm_bf16 (the same linears, Zen 4: gemm_bf16
+# is 0.93-1.05x the passes at 16 rows, 1.1-1.5x at 24, 1.2-1.4x at 32, 1.6-1.8x at 64)
+BF16_GEMM_GEMV_MAX_ROWS = 16
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
 
@@ -62,6 +71,7 @@ class QuantizedLinearMethod:
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
+        self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
         where = {"off": "", "decode": ", int8 activations in bf16/fp16 decode batches of 8+",
                  "all": ", int8 activations from 8 rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
@@ -146,8 +156,14 @@ class QuantizedLinearMethod:
         dequantized tiles."""
         if dtype == torch.float32 or not self.wide_pass:
             return GEMV_MAX_ROWS
-        return min(WIDE_GEMV_MAX_ROWS.get(p.fmt.bits, GEMV_MAX_ROWS) if p.panels else GEMV_MAX_ROWS
-                   for p in weight.parts)
+        return min(self._part_gemv_max_rows(p, dtype) for p in weight.parts)
+
+    def _part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
+        if not part.panels:
+            return GEMV_MAX_ROWS
+        if dtype == torch.bfloat16 and self.bf16_gemm:
+            return BF16_GEMM_GEMV_MAX_ROWS
+        return WIDE_GEMV_MAX_ROWS.get(part.fmt.bits, GEMV_MAX_ROWS)
 
     def _gemv(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
@@ -160,16 +176,23 @@ class QuantizedLinearMethod:
         return out
 
     def _tiled(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """The matrix-matrix product, part by part into its columns."""
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
         start = 0
         for part in weight.parts:
-            rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
-            for first in range(0, part.n, rows):
-                ids = torch.arange(first, min(first + rows, part.n))
-                tile = self.dequantize(part, ids, x.dtype)
-                out[:, start + first:start + first + ids.numel()] = F.linear(x, tile)
+            columns = out[:, start:start + part.n]
+            if self.bf16_gemm and x.dtype == torch.bfloat16 and part.panels:
+                self.kernel.gemm_bf16(x, *part.planes(), *_format_args(part), columns)
+            else:
+                self._dequantized_tiles(part, x, columns)
             start += part.n
         return out
+
+    def _dequantized_tiles(self, part: PackedWeight, x: torch.Tensor, out: torch.Tensor) -> None:
+        rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
+        for first in range(0, part.n, rows):
+            ids = torch.arange(first, min(first + rows, part.n))
+            out[:, first:first + ids.numel()] = F.linear(x, self.dequantize(part, ids, x.dtype))
 
     def dequantize(self, part: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         tile = torch.empty(ids.numel(), part.k, dtype=dtype)
