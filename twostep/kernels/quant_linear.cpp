@@ -712,12 +712,11 @@ inline void transpose8(const __m256i c[8], __m256i out[8]) {
   }
 }
 
-// Step s of a block of the panel layout as the int8 product takes it: lane j = codes 4s .. 4s + 3 of
-// the panel's row j, as bytes (4-6-bit: unsigned; 8-bit: signed)
+// Step s of a block of the panel layout as two pairs of codes: the panel's row j's codes 4s, 4s + 1 at
+// bytes 2j, 2j + 1 of `first`, codes 4s + 2, 4s + 3 of `second` (4-6-bit: unsigned; 8-bit: signed)
 template <int BITS>
-inline __m256i panel_quad(const uint8_t* block, int s) {
+inline void panel_pairs(const uint8_t* block, int s, __m128i& first, __m128i& second) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m128i first, second;        // row j's codes 4s, 4s + 1 at 16-bit unit j, and 4s + 2, 4s + 3
   if constexpr (BITS == 8) {
     first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s));
     second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * s + 16));
@@ -731,6 +730,14 @@ inline __m256i panel_quad(const uint8_t* block, int s) {
       add_high<BITS>(s % P, first, second, high);
     }
   }
+}
+
+// Step s of a block of the panel layout as the int8 product takes it: lane j = codes 4s .. 4s + 3 of
+// the panel's row j, as bytes
+template <int BITS>
+inline __m256i panel_quad(const uint8_t* block, int s) {
+  __m128i first, second;
+  panel_pairs<BITS>(block, s, first, second);
   return _mm256_set_m128i(_mm_unpackhi_epi16(first, second), _mm_unpacklo_epi16(first, second));
 }
 
@@ -1208,62 +1215,73 @@ constexpr int64_t kGemmColumns = 64;   // weight rows (output columns) a thread 
 constexpr int64_t kGemmRows = 256;     // rows of x in one brgemm call
 constexpr int64_t kGemmDepth = 1024;   // weights (of k) a brgemm call sums over; the next add to its sums
 
-// lanes 4j .. 4j + 3 = v[first + j] (j < 4): four columns' values, each once per code of a quad
-inline __m512 spread4(__m256 v, int first) {
-  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(first),
-                                         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-  return _mm512_permutexvar_ps(index, _mm512_castps256_ps512(v));
+// lanes 2j, 2j + 1 = v[j]: a panel's 8 values, once for each weight of a pair
+inline __m512 spread2(__m256 v) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(v));
 }
 
 inline __m256 load8_half(const at::Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
 
-// A panel's scales and offsets (min - zero * scale) for the group of weight i, spread for its quads:
-// [0] columns 0-3, [1] columns 4-7
-inline void panel_scales(const Planes& p, int64_t panel, int64_t i, __m512 d[2], __m512 o[2]) {
+// A panel's scales and offsets (min - zero * scale) for the group of weight i, spread for its pairs
+struct PairScales {
+  __m512 d, o;
+};
+inline PairScales pair_scales(const Planes& p, int64_t panel, int64_t i) {
   const int64_t at = p.scale_at(panel * kPanel, i / p.group);
-  const __m256 d8 = load8_half(p.scales + at);
-  const __m256 o8 = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), d8,
-                                     p.mins ? load8_half(p.mins + at) : _mm256_setzero_ps());
-  d[0] = spread4(d8, 0), d[1] = spread4(d8, 4), o[0] = spread4(o8, 0), o[1] = spread4(o8, 4);
+  const __m256 d = load8_half(p.scales + at);
+  const __m256 o = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), d,
+                                    p.mins ? load8_half(p.mins + at) : _mm256_setzero_ps());
+  return {spread2(d), spread2(o)};
 }
 
-// One block of a panel as bf16 in the pair layout brgemm multiplies (B as [k / 2][columns][2]): the
-// block's pair t (weights 2t, 2t + 1) of the panel's 8 columns at dst + t * pair_stride, 16 values.
-// d / o [h]: the scales and offsets of the block's half h (its weights 16h ..).
+// a pair of a panel's codes (lanes 2j + u: row j's weight u) as floats, scale * code + offset
 template <int BITS>
-inline void dequantize_panel_pairs(const uint8_t* block, const __m512 d[2][2], const __m512 o[2][2], at::BFloat16* dst,
-                                   int64_t pair_stride) {
-  // the bf16 of quad s (column j's weights 4s .. 4s + 3 at 4j ..) as 32-bit pairs: pair 2s of each
-  // column first, then pair 2s + 1
-  const __m512i pairs_first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+inline __m512 pair_values(__m128i codes, const PairScales& s) {
+  const __m512i ints = BITS == 8 ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s.d, s.o);
+}
+
+// Block b of two panels (16 weight rows; `second` null: one panel, 8 rows) as bf16 in the pair layout
+// brgemm multiplies (B as [k / 2][columns][2]): the block's pair t (weights 2t, 2t + 1) of each row
+// at dst + t * pair_stride, 32 (16) values. The panel layout's chunks are already pairs of 8 rows.
+// scales[panel][h]: the scales and offsets of the block's half h (its weights 16h ..).
+template <int BITS>
+inline void dequantize_block_pairs(const uint8_t* first, const uint8_t* second, const PairScales scales[2][2],
+                                   at::BFloat16* dst, int64_t pair_stride) {
   for (int s = 0; s < 8; ++s) {
-    const __m256i c = panel_quad<BITS>(block, s);
-    const __m128i c03 = _mm256_castsi256_si128(c), c47 = _mm256_extracti128_si256(c, 1);
-    const __m512i i03 = BITS == 8 ? _mm512_cvtepi8_epi32(c03) : _mm512_cvtepu8_epi32(c03);
-    const __m512i i47 = BITS == 8 ? _mm512_cvtepi8_epi32(c47) : _mm512_cvtepu8_epi32(c47);
     const int h = s / 4;
-    const __m512 f03 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i03), d[h][0], o[h][0]);
-    const __m512 f47 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i47), d[h][1], o[h][1]);
-    const __m512i pairs = _mm512_permutexvar_epi32(pairs_first, (__m512i)_mm512_cvtne2ps_pbh(f47, f03));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * s * pair_stride), _mm512_castsi512_si256(pairs));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * s + 1) * pair_stride), _mm512_extracti64x4_epi64(pairs, 1));
+    __m128i a0, b0, a1, b1;     // pairs 2s (a) and 2s + 1 (b) of each panel
+    panel_pairs<BITS>(first, s, a0, b0);
+    const __m512 fa0 = pair_values<BITS>(a0, scales[0][h]), fb0 = pair_values<BITS>(b0, scales[0][h]);
+    at::BFloat16* pair = dst + 2 * s * pair_stride;
+    if (second == nullptr) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pair), (__m256i)_mm512_cvtneps_pbh(fa0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pair + pair_stride), (__m256i)_mm512_cvtneps_pbh(fb0));
+      continue;
+    }
+    panel_pairs<BITS>(second, s, a1, b1);
+    const __m512 fa1 = pair_values<BITS>(a1, scales[1][h]), fb1 = pair_values<BITS>(b1, scales[1][h]);
+    _mm512_storeu_si512(pair, (__m512i)_mm512_cvtne2ps_pbh(fa1, fa0));
+    _mm512_storeu_si512(pair + pair_stride, (__m512i)_mm512_cvtne2ps_pbh(fb1, fb0));
   }
 }
 
 // Weight rows n0 .. n0 + cols (whole panels) as bf16 in the pair layout, [k / 2][cols][2]
 template <int BITS>
 void dequantize_pairs(const Planes& p, int64_t n0, int64_t cols, at::BFloat16* w) {
-  const int64_t nb = p.k / kBlock;
-  for (int64_t q = 0; q < cols / kPanel; ++q) {
+  const int64_t nb = p.k / kBlock, panels = cols / kPanel;
+  for (int64_t q = 0; q < panels; q += 2) {
+    const bool two = q + 1 < panels;
     const int64_t panel = n0 / kPanel + q;
-    const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
-    __m512 d[2][2], o[2][2];
+    const uint8_t* first = p.qs + panel * nb * panel_block(BITS);
+    const uint8_t* second = two ? first + nb * panel_block(BITS) : nullptr;
+    PairScales scales[2][2];
     for (int64_t b = 0; b < nb; ++b) {
-      if (b * kBlock % p.group == 0) {
-        panel_scales(p, panel, b * kBlock, d[0], o[0]);
-        panel_scales(p, panel, b * kBlock + 16, d[1], o[1]);
-      }
-      dequantize_panel_pairs<BITS>(qs + b * panel_block(BITS), d, o, w + (b * (kBlock / 2) * cols + q * kPanel) * 2, 2 * cols);
+      if (b * kBlock % p.group == 0)
+        for (int j = 0; j < (two ? 2 : 1); ++j)
+          for (int h = 0; h < 2; ++h) scales[j][h] = pair_scales(p, panel + j, b * kBlock + 16 * h);
+      dequantize_block_pairs<BITS>(first + b * panel_block(BITS), two ? second + b * panel_block(BITS) : nullptr,
+                                   scales, w + (b * (kBlock / 2) * cols + q * kPanel) * 2, 2 * cols);
     }
   }
 }
