@@ -246,6 +246,14 @@ def test_panel_layout_is_the_reference_layout(qtype, n, k):
         panels.rows(torch.arange(8))
 
 
+def in_passes(kernel, part, x: torch.Tensor) -> torch.Tensor:
+    """x against one part in passes of the matrix-vector product, 8 rows each."""
+    out = torch.empty(x.shape[0], part.n, dtype=x.dtype)
+    for first in range(0, x.shape[0], 8):
+        kernel.gemv(x[first:first + 8], *part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero, out[first:first + 8])
+    return out
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 40, 64, 96])
 @pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
 def test_panel_layout_product(qtype, n, k, rows):
@@ -266,7 +274,7 @@ def test_panel_layout_product(qtype, n, k, rows):
     torch.testing.assert_close(got, method.matmul(weight, x), rtol=0, atol=GEMV_RTOL * scale)
     half = x.bfloat16()
     if rows <= method.gemv_max_rows(panels, half.dtype):   # bf16 inputs in passes: the float32 sums rounded once
-        assert torch.equal(method.matmul(panels, half), method._gemv(panels, half.float()).bfloat16())
+        assert torch.equal(method.matmul(panels, half), in_passes(method.kernel, panels.parts[0], half.float()).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -350,9 +358,10 @@ def test_bytes_held_match_the_packed_layout(qtype, bits):
 
 
 def test_wide_pass_builds_take_more_rows_in_passes():
-    """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 bf16 rows in passes
-    of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles);
-    float32 rows, row layouts and other builds 32."""
+    """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 fp16 rows in passes
+    of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles), bf16
+    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows, row layouts and other
+    builds 32."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
@@ -379,23 +388,30 @@ def cpu_flags() -> set[str]:
     return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
-# 64 weight rows a thread dequantizes at a time, then a tail of 8; 1024 weights of k a brgemm call, so
-# 1056 / 1280 take a second call that adds to the first's sums; 300 rows: a block of 256 and a tail
-GEMM_CASES = [(q, n, k) for q in PACKED_TYPES
-              for n, k in ([(8, 32), (136, 96), (72, 1056)] if gguf.GGML_QUANT_SIZES[q][0] == 32
-                           else [(8, 256), (136, 512), (72, 1280)])]
+# 64 weight rows a thread dequantizes at a time, two panels a store: tails of 8 (one panel), 40 (two
+# pairs and one) and 56; 1024 weights of k a brgemm call, so 1056 / 1280 take a second call that adds
+# to the first's sums; 300 rows: a block of 256 and a tail. Plus --quantization's int8 (one scale a
+# row) and int4 (groups of 32 with a min).
+GEMM_CASES = [(q, n, k) for q in [*PACKED_TYPES, "int8", "int4"]
+              for n, k in ([(8, 32), (136, 96), (40, 1056), (120, 64)] if q in ("int8", "int4") or gguf.GGML_QUANT_SIZES[q][0] == 32
+                           else [(8, 256), (136, 512), (40, 1280), (120, 256)])]
+
+
+def gemm_weight(qtype, n: int, k: int) -> QuantizedWeight:
+    if qtype in ("int8", "int4"):
+        return QuantizedWeight((quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), qtype),))
+    return QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=n + k), qtype, n, k),))
 
 
 @pytest.mark.parametrize("rows", [1, 17, 300])
-@pytest.mark.parametrize("qtype,n,k", GEMM_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in GEMM_CASES])
+@pytest.mark.parametrize("qtype,n,k", GEMM_CASES, ids=[f"{getattr(q, 'name', q)}-{n}x{k}" for q, n, k in GEMM_CASES])
 def test_bf16_gemm_product(qtype, n, k, rows):
     """gemm_bf16: bf16 rows against the panel layout, the weights dequantized and rounded to bf16 as
     the tiles round them, float32 sums rounded to bf16: within a bf16 step of that float32 product
     (the packed weights against gguf's dequantizer: test_packed_layout_reads_back_as_gguf_dequantizes),
     into a view of wider rows without touching the columns beside it."""
     kernel = bf16_gemm_kernel()
-    panels = QuantizedLinearMethod(kernel).prepare(
-        QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=n + k), qtype, n, k),))).parts[0]
+    panels = QuantizedLinearMethod(kernel).prepare(gemm_weight(qtype, n, k)).parts[0]
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     expected = x.float() @ panels.dequantize().bfloat16().float().t()
     wide = torch.full((rows, n + 16), 7.0, dtype=torch.bfloat16)
@@ -421,3 +437,28 @@ def test_bf16_gemm_is_the_prefill_product():
     assert names.count("twostep::quant_gemm_bf16") == 2 and "twostep::quant_dequantize_rows" not in names
     tiles = torch.cat([method.dequantize(p, torch.arange(p.n), torch.bfloat16) for p in weight.parts])
     torch.testing.assert_close(got.float(), (x.float() @ tiles.float().t()), rtol=2 ** -7, atol=1e-3)
+    x = torch.randn(70, 256).bfloat16()      # past every crossover of the passes
+    got = method.matmul(weight, x)
+    method.bf16_gemm = False                  # the tiles, as a CPU without it runs them: the same product
+    with torch.profiler.profile() as prof:
+        tiled = method.matmul(weight, x)
+    assert "twostep::quant_dequantize_rows" in [e.name for e in prof.events()]
+    torch.testing.assert_close(tiled.float(), got.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_row_layout_part_keeps_its_passes():
+    """Each part of a stacked weight picks its own product: a part in the row layout (rows not a
+    multiple of 8) keeps passes of the matrix-vector product up to 32 rows beside a panel part that
+    takes gemm_bf16 from 17."""
+    method = QuantizedLinearMethod(bf16_gemm_kernel())
+    parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_0, 64), (QType.Q8_0, 12))]
+    weight = method.prepare(QuantizedWeight.stack(parts))
+    assert [p.panels for p in weight.parts] == [True, False]
+    x = torch.randn(24, 256).bfloat16()
+    with torch.profiler.profile() as prof:
+        got = method.matmul(weight, x)
+    names = [e.name for e in prof.events()]
+    assert names.count("twostep::quant_gemm_bf16") == 1 and names.count("twostep::quant_gemv") == 3
+    assert "twostep::quant_dequantize_rows" not in names
+    expected = x.float() @ torch.cat([p.dequantize() for p in parts]).t()
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=2e-2 * expected.abs().max().item())

@@ -16,7 +16,11 @@
 //   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
 //   sums). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on the dequantized weights at 512 rows,
 //   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.2-1.3x the 16-bit passes at 8 rows,
-//   2.0-2.1x at 32, 1.25x bf16 tiles at 512.
+//   2.0-2.1x at 32, 1.25x the bf16 tiles (below) at 512.
+// gemm_bf16 (AVX512-BF16, or AMX, through torch's oneDNN brgemm): bf16 rows against the panel
+//   layout, the prefill product: a thread dequantizes 64 weight rows at a time into the pair layout
+//   brgemm multiplies (in its L2) and multiplies every row of x against them; at the rate of oneDNN
+//   on pre-packed bf16 weights (the panel layout's chunks are already pairs of 8 rows).
 // The panel layout (the SIMD build's, for every format with n a multiple of 8; pack_panels makes it
 //   from the row layout at load): kPanel = 8 weight rows stored together block by block, so a 1-8
 //   row product gets eight output columns in the eight int32 lanes of its vectors without a
@@ -30,7 +34,7 @@
 //   place). qs is [n / 8, blocks, panel_block(bits)] bytes (no qh plane), scales / mins
 //   [n / 8, groups, 8].
 // dequantize_rows: rows of w as float32 / bf16 / fp16 (the embedding lookup, and the tiles a
-//   matrix-matrix product hands to oneDNN / MKL).
+//   matrix-matrix product hands to oneDNN / MKL where gemm_bf16 does not apply).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -40,6 +44,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1207,7 +1212,13 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
 }
 
 // ---- gemm_bf16: bf16 rows against the panel layout through oneDNN's brgemm ----
-#if defined(TWOSTEP_AVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// torch's brgemm with add_C (the CPUBLAS_BRGEMM_* macros came with it); older torch keeps the tiles
+#if defined(TWOSTEP_AVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__) && \
+    defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#define TWOSTEP_BF16_GEMM 1
+#endif
+
+#ifdef TWOSTEP_BF16_GEMM
 constexpr bool kBf16Gemm = true;
 // The blocking (Qwen2.5-0.5B-shape linears, 512 rows, Zen 4, two threads: 0.99-1.00x oneDNN's
 // product on pre-packed bf16 weights with these; 64 / 128 / whole depth: 0.97x for k = 4864)
@@ -1220,17 +1231,15 @@ inline __m512 spread2(__m256 v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(v));
 }
 
-inline __m256 load8_half(const at::Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
-
 // A panel's scales and offsets (min - zero * scale) for the group of weight i, spread for its pairs
 struct PairScales {
   __m512 d, o;
 };
 inline PairScales pair_scales(const Planes& p, int64_t panel, int64_t i) {
   const int64_t at = p.scale_at(panel * kPanel, i / p.group);
-  const __m256 d = load8_half(p.scales + at);
+  const __m256 d = load8(p.scales + at);
   const __m256 o = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), d,
-                                    p.mins ? load8_half(p.mins + at) : _mm256_setzero_ps());
+                                    p.mins ? load8(p.mins + at) : _mm256_setzero_ps());
   return {spread2(d), spread2(o)};
 }
 
@@ -1266,7 +1275,8 @@ inline void dequantize_block_pairs(const uint8_t* first, const uint8_t* second, 
   }
 }
 
-// Weight rows n0 .. n0 + cols (whole panels) as bf16 in the pair layout, [k / 2][cols][2]
+// Weight rows n0 .. n0 + cols (whole panels, at most kGemmColumns) as bf16 in the pair layout,
+// [k / 2][kGemmColumns][2] (a narrower tail keeps the stride: one leading dimension for brgemm)
 template <int BITS>
 void dequantize_pairs(const Planes& p, int64_t n0, int64_t cols, at::BFloat16* w) {
   const int64_t nb = p.k / kBlock, panels = cols / kPanel;
@@ -1281,33 +1291,39 @@ void dequantize_pairs(const Planes& p, int64_t n0, int64_t cols, at::BFloat16* w
         for (int j = 0; j < (two ? 2 : 1); ++j)
           for (int h = 0; h < 2; ++h) scales[j][h] = pair_scales(p, panel + j, b * kBlock + 16 * h);
       dequantize_block_pairs<BITS>(first + b * panel_block(BITS), two ? second + b * panel_block(BITS) : nullptr,
-                                   scales, w + (b * (kBlock / 2) * cols + q * kPanel) * 2, 2 * cols);
+                                   scales, w + (b * (kBlock / 2) * kGemmColumns + q * kPanel) * 2, 2 * kGemmColumns);
     }
   }
 }
 
-// out[m, n] (rows out_stride apart) = x[m] . w[n] for the panel layout: each thread takes
-// kGemmColumns weight rows at a time, dequantizes them into its buffer (k * 128 bytes: in L2) and
-// multiplies every row of x against them with brgemm, float32 sums rounded to bf16
+// out[m, n] (rows out_stride apart) = x[m] . w[n] for the panel layout: tasks of kGemmColumns
+// weight rows x kGemmRows rows of x, a column block's row blocks one after another, so a thread
+// dequantizes each column block of its range into its buffer once (k x 128 bytes: in a 1 MB L2 up to
+// k ~ 7000) and multiplies its rows against it with brgemm; float32 sums rounded to bf16. (Splitting
+// rows too keeps more threads busy than a few column blocks would.)
 template <int BITS>
 void gemm_bf16_panels(const Planes& p, int64_t n, int64_t m, const at::BFloat16* x, int64_t x_stride,
                       at::BFloat16* out, int64_t out_stride) {
-  const int64_t k = p.k, blocks = (n + kGemmColumns - 1) / kGemmColumns;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(k * kGemmColumns);
-    std::vector<float> sums(kGemmRows * kGemmColumns);
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kGemmColumns, cols = std::min(kGemmColumns, n - n0);
-      dequantize_pairs<BITS>(p, n0, cols, w.data());
-      for (int64_t m0 = 0; m0 < m; m0 += kGemmRows) {
-        const int64_t rows = std::min(kGemmRows, m - m0);
-        for (int64_t k0 = 0; k0 < k; k0 += kGemmDepth)      // w's pairs k0 / 2 .. are at w + k0 * cols
-          at::native::cpublas::brgemm(rows, cols, std::min(kGemmDepth, k - k0), x_stride, cols, cols, k0 > 0,
-                                      x + m0 * x_stride + k0, w.data() + k0 * cols, sums.data(), true);
-        for (int64_t r = 0; r < rows; ++r) store_rounded(sums.data() + r * cols, out + (m0 + r) * out_stride + n0, static_cast<int>(cols));
+  const int64_t k = p.k, row_blocks = (m + kGemmRows - 1) / kGemmRows;
+  const int64_t tasks = (n + kGemmColumns - 1) / kGemmColumns * row_blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<at::BFloat16[]> w(new at::BFloat16[k * kGemmColumns]);
+    std::unique_ptr<float[]> sums(new float[kGemmRows * kGemmColumns]);
+    int64_t held = -1;      // the column block w holds
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / row_blocks, n0 = block * kGemmColumns, m0 = task % row_blocks * kGemmRows;
+      const int64_t cols = std::min(kGemmColumns, n - n0), rows = std::min(kGemmRows, m - m0);
+      if (block != held) {
+        dequantize_pairs<BITS>(p, n0, cols, w.get());
+        held = block;
       }
+      for (int64_t k0 = 0; k0 < k; k0 += kGemmDepth)      // w's pairs k0 / 2 .. are at w + k0 * kGemmColumns
+        at::native::cpublas::brgemm(rows, cols, std::min(kGemmDepth, k - k0), x_stride, kGemmColumns, kGemmColumns,
+                                    k0 > 0, x + m0 * x_stride + k0, w.get() + k0 * kGemmColumns, sums.get());
+      for (int64_t r = 0; r < rows; ++r)
+        store_rounded(sums.get() + r * kGemmColumns, out + (m0 + r) * out_stride + n0, static_cast<int>(cols));
     }
-    at::native::cpublas::brgemm_release(true);
+    at::native::cpublas::brgemm_release();
   });
 }
 
@@ -1317,8 +1333,8 @@ bool brgemm_bf16_runs() {
     try {
       std::vector<at::BFloat16> a(32, at::BFloat16(1.f)), b(32 * 16, at::BFloat16(1.f));
       std::vector<float> c(16);
-      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data(), true);
-      at::native::cpublas::brgemm_release(true);
+      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data());
+      at::native::cpublas::brgemm_release();
       return c[0] == 32.f;
     } catch (const std::exception&) {
       return false;
@@ -1504,7 +1520,7 @@ void gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
   TORCH_CHECK(p.panels, "gemm_bf16 takes the panel layout");
   TORCH_CHECK(brgemm_bf16_runs(), "this build or CPU has no bf16 brgemm (has_bf16_gemm() is false)");
   if (m == 0) return;
-#if defined(TWOSTEP_AVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#ifdef TWOSTEP_BF16_GEMM
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   switch (bits) {

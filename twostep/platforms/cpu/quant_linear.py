@@ -137,62 +137,50 @@ class QuantizedLinearMethod:
         """The int8 product for parts of the code widths it takes (4 to 6 bits; 8 too with VNNI);
         others as without it."""
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
-        start = 0
-        for part in weight.parts:
-            columns = out[:, start:start + part.n]
-            if part.fmt.bits not in self.int8_bits:
-                columns.copy_(self._plain(QuantizedWeight((part,)), x))
-            else:
+        for part, columns in _part_columns(weight, out):
+            if part.fmt.bits in self.int8_bits:
                 self.kernel.gemm_int8(x, *part.planes(), *_format_args(part), columns)
-            start += part.n
+            else:
+                self._plain_part(part, x, columns)
         return out
 
     def _plain(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """Without int8 activations: passes of the matrix-vector product, or dequantized tiles."""
-        return self._gemv(weight, x) if x.shape[0] <= self.gemv_max_rows(weight, x.dtype) else self._tiled(weight, x)
+        """Without int8 activations, part by part into its columns."""
+        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
+        for part, columns in _part_columns(weight, out):
+            self._plain_part(part, x, columns)
+        return out
+
+    def _plain_part(self, part: PackedWeight, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Passes of the matrix-vector product up to part_gemv_max_rows; more rows: gemm_bf16 for
+        bf16 against the panel layout where the kernel has it, else dequantized tiles."""
+        if x.shape[0] <= self.part_gemv_max_rows(part, x.dtype):
+            for first in range(0, x.shape[0], GEMV_ROWS):
+                rows = slice(first, first + GEMV_ROWS)
+                self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows])
+        elif self._takes_bf16_gemm(part, x.dtype):
+            self.kernel.gemm_bf16(x, *part.planes(), *_format_args(part), out)
+        else:
+            rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
+            for first in range(0, part.n, rows):
+                ids = torch.arange(first, min(first + rows, part.n))
+                out[:, first:first + ids.numel()] = F.linear(x, self.dequantize(part, ids, x.dtype))
+
+    def _takes_bf16_gemm(self, part: PackedWeight, dtype: torch.dtype) -> bool:
+        return self.bf16_gemm and dtype == torch.bfloat16 and part.panels
 
     def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
-        """The most rows of `dtype` that take passes of the matrix-vector product rather than
-        dequantized tiles."""
-        if dtype == torch.float32 or not self.wide_pass:
-            return GEMV_MAX_ROWS
-        return min(self._part_gemv_max_rows(p, dtype) for p in weight.parts)
+        """The most rows of `dtype` that every part takes in passes of the matrix-vector product."""
+        return min(self.part_gemv_max_rows(p, dtype) for p in weight.parts)
 
-    def _part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
-        if not part.panels:
+    def part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
+        """The most rows of `dtype` that take passes of the matrix-vector product rather than the
+        matrix-matrix product (the measured crossovers above)."""
+        if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
-        if dtype == torch.bfloat16 and self.bf16_gemm:
+        if self._takes_bf16_gemm(part, dtype):
             return BF16_GEMM_GEMV_MAX_ROWS
         return WIDE_GEMV_MAX_ROWS.get(part.fmt.bits, GEMV_MAX_ROWS)
-
-    def _gemv(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
-        for first in range(0, x.shape[0], GEMV_ROWS):
-            rows = slice(first, first + GEMV_ROWS)
-            start = 0
-            for part in weight.parts:
-                self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows, start:start + part.n])
-                start += part.n
-        return out
-
-    def _tiled(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """The matrix-matrix product, part by part into its columns."""
-        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
-        start = 0
-        for part in weight.parts:
-            columns = out[:, start:start + part.n]
-            if self.bf16_gemm and x.dtype == torch.bfloat16 and part.panels:
-                self.kernel.gemm_bf16(x, *part.planes(), *_format_args(part), columns)
-            else:
-                self._dequantized_tiles(part, x, columns)
-            start += part.n
-        return out
-
-    def _dequantized_tiles(self, part: PackedWeight, x: torch.Tensor, out: torch.Tensor) -> None:
-        rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
-        for first in range(0, part.n, rows):
-            ids = torch.arange(first, min(first + rows, part.n))
-            out[:, first:first + ids.numel()] = F.linear(x, self.dequantize(part, ids, x.dtype))
 
     def dequantize(self, part: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         tile = torch.empty(ids.numel(), part.k, dtype=dtype)
@@ -207,6 +195,14 @@ class QuantizedLinearMethod:
         else:
             rows = weight.dequantize(dtype)[flat]       # a table is one format in practice
         return rows.view(*ids.shape, weight.k)
+
+
+def _part_columns(weight: QuantizedWeight, out: torch.Tensor):
+    """(part, the view of out's columns it computes) for each part of weight."""
+    start = 0
+    for part in weight.parts:
+        yield part, out[:, start:start + part.n]
+        start += part.n
 
 
 def _format_args(part: PackedWeight) -> tuple[int, int, int]:
