@@ -390,8 +390,8 @@ def cpu_flags() -> set[str]:
 
 # 64 weight rows a thread dequantizes at a time, two panels a store: tails of 8 (one panel), 40 (two
 # pairs and one) and 56; 1024 weights of k a brgemm call, so 1056 / 1280 take a second call that adds
-# to the first's sums; 300 rows: a block of 256 and a tail. Plus --quantization's int8 (one scale a
-# row) and int4 (groups of 32 with a min).
+# to the first's sums; 100 rows: calls of 96 and 4 (from 64 rows, 16s and the rest); 300: a block of
+# 256 and a tail of 44. Plus --quantization's int8 (one scale a row) and int4 (groups of 32, a min).
 GEMM_CASES = [(q, n, k) for q in [*PACKED_TYPES, "int8", "int4"]
               for n, k in ([(8, 32), (136, 96), (40, 1056), (120, 64)] if q in ("int8", "int4") or gguf.GGML_QUANT_SIZES[q][0] == 32
                            else [(8, 256), (136, 512), (40, 1280), (120, 256)])]
@@ -403,7 +403,7 @@ def gemm_weight(qtype, n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=n + k), qtype, n, k),))
 
 
-@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("rows", [1, 17, 100, 300])
 @pytest.mark.parametrize("qtype,n,k", GEMM_CASES, ids=[f"{getattr(q, 'name', q)}-{n}x{k}" for q, n, k in GEMM_CASES])
 def test_bf16_gemm_product(qtype, n, k, rows):
     """gemm_bf16: bf16 rows against the panel layout, the weights dequantized and rounded to bf16 as
