@@ -439,6 +439,8 @@ def test_bf16_gemm_is_the_prefill_product():
     torch.testing.assert_close(got.float(), (x.float() @ tiles.float().t()), rtol=2 ** -7, atol=1e-3)
     x = torch.randn(70, 256).bfloat16()      # past every crossover of the passes
     got = method.matmul(weight, x)
+    with torch.backends.mkldnn.flags(enabled=False):     # brgemm is oneDNN's: the tiles then
+        torch.testing.assert_close(method.matmul(weight, x).float(), got.float(), rtol=2 ** -7, atol=1e-3)
     method.bf16_gemm = False                  # the tiles, as a CPU without it runs them: the same product
     with torch.profiler.profile() as prof:
         tiled = method.matmul(weight, x)

@@ -167,7 +167,8 @@ class QuantizedLinearMethod:
                 out[:, first:first + ids.numel()] = F.linear(x, self.dequantize(part, ids, x.dtype))
 
     def _takes_bf16_gemm(self, part: PackedWeight, dtype: torch.dtype) -> bool:
-        return self.bf16_gemm and dtype == torch.bfloat16 and part.panels
+        # brgemm is oneDNN's: off while a user turns oneDNN off (torch.backends.mkldnn.flags)
+        return self.bf16_gemm and dtype == torch.bfloat16 and part.panels and torch.backends.mkldnn.enabled
 
     def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` that every part takes in passes of the matrix-vector product."""
