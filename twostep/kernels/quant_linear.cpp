@@ -1219,7 +1219,6 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
 #endif
 
 #ifdef TWOSTEP_BF16_GEMM
-constexpr bool kBf16Gemm = true;
 // The blocking (Qwen2.5-0.5B-shape linears, 512 rows, Zen 4, two threads: 0.99-1.00x oneDNN's
 // product on pre-packed bf16 weights with these; 64 / 128 / whole depth: 0.97x for k = 4864)
 constexpr int64_t kGemmColumns = 64;   // weight rows (output columns) a thread dequantizes at a time
@@ -1335,7 +1334,8 @@ void gemm_bf16_panels(const Planes& p, int64_t n, int64_t m, const at::BFloat16*
   });
 }
 
-// whether torch's brgemm multiplies bf16 on this CPU (oneDNN's ukernel: AVX512-BF16 or AMX)
+// whether this build has gemm_bf16 and torch's brgemm multiplies bf16 on this CPU (oneDNN's
+// ukernel: AVX512-BF16 or AMX)
 bool brgemm_bf16_runs() {
   static const bool runs = [] {
     try {
@@ -1351,7 +1351,6 @@ bool brgemm_bf16_runs() {
   return runs;
 }
 #else
-constexpr bool kBf16Gemm = false;
 bool brgemm_bf16_runs() { return false; }
 #endif
 
@@ -1598,7 +1597,7 @@ std::vector<int64_t> int8_bits() {
 bool has_int8() { return !int8_bits().empty(); }
 bool has_panels() { return kPanels; }
 bool wide_pass() { return kWidePass; }
-bool has_bf16_gemm() { return kBf16Gemm && brgemm_bf16_runs(); }
+bool has_bf16_gemm() { return brgemm_bf16_runs(); }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace, as does a build with -DTWOSTEP_VARIANT=name
