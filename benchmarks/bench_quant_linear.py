@@ -2,11 +2,14 @@
 kernel's weight stream against a plain read of the same number of bytes.
 
     .venv/bin/python benchmarks/bench_quant_linear.py [--formats Q4_0 Q8_0 ...] [--rows 1 4 8] [--reps 9]
+                                                     [--activations int16 int8]
 
 All 97 linears of the Qwen2.5-0.5B shape (24 layers x qkv, o, gate_up, down, and the 151,936 x 896
 lm_head), random codes and scales in each format's packed layout (quantization/packed.py), each called
-once per round with an input of `rows` rows, as a decode step of that batch would. The kernel and
-the read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
+once per round with an input of `rows` bf16 rows, as a decode step of that batch would: through the
+int16 matrix-vector passes (--cpu-int8-activations off) and the int8 product (the default for a
+bf16 model's decode, where the kernel takes the format at that many rows). The products and the
+read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
 GB/s of packed weights and the share of the read's rate, medians.
 """
 from __future__ import annotations
@@ -48,11 +51,13 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["Q4_0", "Q8_0", "Q4_K", "Q6_K"], choices=list(FORMATS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--activations", nargs="+", default=["int16", "int8"], choices=["int16", "int8"])
     args = ap.parse_args()
     kernel = quant_linear()
     if kernel is None:
         raise SystemExit("the quantized kernel could not be built here (needs g++ and ninja)")
     method = QuantizedLinearMethod(kernel)
+    methods = {"int16": method, "int8": QuantizedLinearMethod(kernel, int8_activations="all")}
     rng = np.random.default_rng(0)
     shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
     print(f"{len(shapes)} linears of the Qwen2.5-0.5B shape; kernel path: {kernel.path()}")
@@ -65,18 +70,21 @@ def main() -> None:
         flat = torch.ones(nbytes // 4)            # a plain read of as many bytes
         print(f"{name}: {nbytes / 1e6:.0f} MB packed ({8 * nbytes / sum(n * k for n, k in shapes):.2f} bits per weight)")
         for rows in args.rows:
-            x = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
-            paths = {"kernel": lambda: [method.matmul(w, x[w.k]) for w in weights], "plain read": flat.sum}
+            x = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in shapes}}
+            takes = [a for a in args.activations
+                     if a == "int16" or (bits in methods[a].int8_bits and methods[a].int8_for(x[896]))]
+            paths = {a: (lambda m=methods[a]: [m.matmul(w, x[w.k]) for w in weights]) for a in takes}
+            paths["read"] = flat.sum
             times = {p: [] for p in paths}
             for _ in range(args.reps):
                 for p, fn in paths.items():
                     start = time.perf_counter()
                     fn()
                     times[p].append(time.perf_counter() - start)
-            kernel_s, read_s = statistics.median(times["kernel"]), statistics.median(times["plain read"])
-            print(f"  rows {rows}: kernel {kernel_s * 1e3:6.1f} ms {nbytes / kernel_s / 1e9:5.1f} GB/s | "
-                  f"read {read_s * 1e3:6.1f} ms {nbytes / read_s / 1e9:5.1f} GB/s | kernel/read "
-                  f"{read_s / kernel_s:.0%}")
+            read_s = statistics.median(times.pop("read"))
+            products = " | ".join(f"{p} {statistics.median(t) * 1e3:6.1f} ms {nbytes / statistics.median(t) / 1e9:5.1f} "
+                                  f"GB/s ({read_s / statistics.median(t):.0%})" for p, t in times.items())
+            print(f"  rows {rows}: {products} | read {read_s * 1e3:6.1f} ms {nbytes / read_s / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -136,13 +136,16 @@ def test_int8_activations_product(qtype, n, k, rows):
 
 
 def test_where_int8_activations_apply():
-    """off: never; all: from 8 rows; decode (the engine's default): from 8 rows of 16-bit
-    activations in a decode batch only (the model runner's step_kind.decode_batch), float32 ones
-    never. Up to 7 rows keep the int16 matrix-vector product bit for bit in every mode; a kernel
-    without the int8 product is off whatever is asked."""
+    """off: never; all: from the kernel's int8_min_rows (1 where VNNI's small-row product is, else
+    8: below, the int16 passes are faster); decode (the engine's default): rows of 16-bit activations
+    in a decode batch only (the model runner's step_kind.decode_batch), one user's included, float32
+    ones never. Below int8_min_rows the int16 matrix-vector product bit for bit in every mode; a
+    kernel without the int8 product is off whatever is asked."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
+    first = kernel.int8_min_rows()
+    assert first == (1 if "vnni" in kernel.path() else 8)
     raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
     weight = QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),))
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -153,10 +156,11 @@ def test_where_int8_activations_apply():
     assert not torch.equal(int16, int8)
     for batch in (False, True):
         with decode_batch(batch):
-            for mode, expected in (("off", int16), ("all", int8), ("decode", int8 if batch else int16)):
+            for mode, on in (("off", False), ("all", True), ("decode", batch)):
                 method = QuantizedLinearMethod(kernel, mode)
-                assert torch.equal(method.matmul(weight, x), expected), (mode, batch)
-                assert torch.equal(method.matmul(weight, x[:7]), seven)
+                assert torch.equal(method.matmul(weight, x), int8 if on else int16), (mode, batch)
+                # 7 rows: each row's int8 sums as in the 8-row product, where the kernel takes 7
+                assert torch.equal(method.matmul(weight, x[:7]), int8[:7] if on and first <= 7 else seven)
             float32 = QuantizedLinearMethod(kernel, "decode").matmul(weight, x.float())
             assert torch.equal(float32, plain.matmul(weight, x.float()))
     assert "decode batches" in QuantizedLinearMethod(kernel, "decode").name
@@ -297,6 +301,38 @@ def test_panel_layout_with_int8_activations():
         weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 40, 512, seed=2), qtype, 40, 512),))
         x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))
         assert torch.equal(method.matmul(method.prepare(weight), x), method.matmul(weight, x))
+
+
+@pytest.mark.parametrize("qtype", PANEL_TYPES + ["int8", "int4"])
+def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype):
+    """The int8 product's paths (VNNI's small-row kernel below 8 rows, the panel tiles decoded in
+    registers at 8, the unpacked panels from 9) give each row the same bits whatever the number of
+    rows beside it, for every format and both output dtypes: a decode row's logits do not depend on
+    its batch. And near the int16 product (int8's rounding)."""
+    kernel = panel_kernel()
+    if not kernel.has_int8():
+        pytest.skip("the int8 product needs AVX2")
+    n, k = 48, 512
+    if isinstance(qtype, str):
+        weight = QuantizedWeight((quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), qtype),))
+    else:
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=7), qtype, n, k),))
+    part = QuantizedLinearMethod(kernel).prepare(weight).parts[0]
+    if part.fmt.bits not in kernel.int8_bits():
+        pytest.skip(f"this build's int8 product does not take {part.fmt.bits}-bit codes")
+    args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(11, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+        every = torch.empty(11, n, dtype=dtype)
+        kernel.gemm_int8(x, *args, every)
+        for rows in range(1, 11):
+            got = torch.empty(rows, n, dtype=dtype)
+            kernel.gemm_int8(x[:rows], *args, got)
+            assert torch.equal(got, every[:rows]), (dtype, rows)
+        int16 = torch.empty(8, n, dtype=dtype)
+        kernel.gemv(x[:8], *args, int16)
+        scale = int16.float().abs().max().item()
+        torch.testing.assert_close(every[:8].float(), int16.float(), rtol=0, atol=INT8_RTOL * scale)
 
 
 def test_panel_layout_only_where_it_fits():

@@ -148,18 +148,24 @@ def elementwise():
     return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))
 
 
+# float sums in the order the source writes them: the int8 product's paths for 1, 8 and more rows
+# add the same terms in the same order, and must get the same bits (a decode row's logits do not
+# depend on its batch), which a compiler free to reassociate (-fassociative-math) does not keep
+_IN_ORDER = ("-fno-associative-math",)
+
+
 @functools.lru_cache(maxsize=None)
 def quant_linear():
     """Matrix-vector products and row dequantisation on twostep's packed quantized layout
     (AVX-VNNI / AVX512-VNNI / AVX2, else plain C++), or None when it cannot be built here."""
-    return _load("twostep_quant_linear", "quant_linear.cpp")
+    return _load("twostep_quant_linear", "quant_linear.cpp", _IN_ORDER)
 
 
 @functools.lru_cache(maxsize=None)
 def quant_linear_portable():
     """The same kernel built without its SIMD paths: the fallback for CPUs without AVX2, built
     everywhere by the tests so that path is checked on every machine."""
-    return _load("twostep_quant_linear_portable", "quant_linear.cpp", ("-DTWOSTEP_FORCE_SCALAR",))
+    return _load("twostep_quant_linear_portable", "quant_linear.cpp", ("-DTWOSTEP_FORCE_SCALAR", *_IN_ORDER))
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,9 @@
 //   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
 //   sums). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on the dequantized weights at 512 rows,
 //   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.2-1.3x the 16-bit passes at 8 rows,
-//   2.0-2.1x at 32, 1.25x the bf16 tiles (below) at 512.
+//   2.0-2.1x at 32, 1.25x the bf16 tiles (below) at 512. With VNNI, below 8 rows a small-row kernel
+//   (one user's decode: 1.38x gemv's rate at 1 row) with the same sums bit for bit, the zero point
+//   taken off each block's integer sums.
 // gemm_bf16 (AVX512-BF16, or AMX, through torch's oneDNN brgemm): bf16 rows against the panel
 //   layout, the prefill product: a thread dequantizes 64 weight rows at a time into the pair layout
 //   brgemm multiplies (in its L2) and multiplies every row of x against them; at the rate of oneDNN
@@ -658,6 +660,7 @@ struct Int8Activations {
   std::vector<int8_t> q;          // [m, k]
   std::vector<float> scale;       // [m, k / 32]
   std::vector<float> group_sums;  // [m, k / group]: sum over the group's blocks of scale * (sum of codes)
+  std::vector<int32_t> half_sums; // [m, k / 16]: the sum of each half block's codes
 };
 
 
@@ -665,7 +668,7 @@ template <typename scalar_t>
 Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group) {
   const int64_t nb = k / kBlock, groups = k / group;
   Int8Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * groups, 0.f)};
+                    std::vector<float>(rows * groups, 0.f), std::vector<int32_t>(rows * 2 * nb)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
@@ -688,6 +691,8 @@ Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_
         lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
         hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4E));
         hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xB1));
+        a.half_sums[(m * nb + b) * 2] = _mm_cvtsi128_si32(lo);
+        a.half_sums[(m * nb + b) * 2 + 1] = _mm_cvtsi128_si32(hi);
         a.group_sums[m * groups + (b * kBlock) / group] += d * _mm_cvtsi128_si32(lo);
         a.group_sums[m * groups + (b * kBlock + 16) / group] += d * _mm_cvtsi128_si32(hi);
       }
@@ -821,14 +826,14 @@ void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float*
     const __m256 min = p.mins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mins + at)))
                               : _mm256_setzero_ps();
     _mm256_storeu_ps(scales + g * kPanel, d);
-    _mm256_storeu_ps(offsets + g * kPanel, _mm256_fnmadd_ps(_mm256_set1_ps(p.zero + kCodeBias<BITS>), d, min));
+    _mm256_storeu_ps(offsets + g * kPanel, min);
   }
   for (int64_t g = 0; !p.panels && g < groups; ++g) {
     for (int j = 0; j < kPanel; ++j) {
       const int64_t at = p.scale_at(n0 + j, g);
       const float d = j < cols ? fp16(p.scales, at) : 0.f;
       scales[g * kPanel + j] = d;
-      offsets[g * kPanel + j] = j < cols ? (p.mins ? fp16(p.mins, at) : 0.f) - (p.zero + kCodeBias<BITS>) * d : 0.f;
+      offsets[g * kPanel + j] = j < cols && p.mins ? fp16(p.mins, at) : 0.f;
     }
   }
 }
@@ -849,12 +854,14 @@ struct PanelLanes<1> {
   static I codes(const uint8_t* w, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
   static I join(__m256i first, __m256i) { return first; }
   static I dot(I acc, I w, int32_t four) { return dot8(acc, w, _mm256_set1_epi32(four)); }
+  static I minus(I v, int32_t x) { return _mm256_sub_epi32(v, _mm256_set1_epi32(x)); }
   static V floats(const float* v, int64_t) { return _mm256_loadu_ps(v); }
   static V join_floats(__m256 first, __m256) { return first; }
   static V to_floats(I v) { return _mm256_cvtepi32_ps(v); }
   static V splat(float x) { return _mm256_set1_ps(x); }
   static V times(V v, float x) { return _mm256_mul_ps(v, splat(x)); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static void store(float* out, V v) { _mm256_storeu_ps(out, v); }
 };
 
@@ -873,6 +880,7 @@ struct PanelLanes<2> {
     return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
   }
   static I dot(I acc, I w, int32_t four) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(four)); }
+  static I minus(I v, int32_t x) { return _mm512_sub_epi32(v, _mm512_set1_epi32(x)); }
   static V floats(const float* v, int64_t next) { return join_floats(_mm256_loadu_ps(v), _mm256_loadu_ps(v + next)); }
   static V join_floats(__m256 first, __m256 second) {
     const __m256d lo = _mm256_castps_pd(first), hi = _mm256_castps_pd(second);
@@ -882,6 +890,7 @@ struct PanelLanes<2> {
   static V splat(float x) { return _mm512_set1_ps(x); }
   static V times(V v, float x) { return _mm512_mul_ps(v, splat(x)); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static void store(float* out, V v) { _mm512_storeu_ps(out, v); }
 };
 #else
@@ -918,10 +927,7 @@ struct Packed {
   __m256 halves(const at::Half* h, int i, int64_t g) const {    // panel i's 8 values of group g
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + p.scale_at((panel + i) * kPanel, g))));
   }
-  __m256 offset(int i, int64_t g) const {         // as unpack_panel computes it
-    const __m256 min = p.mins ? halves(p.mins, i, g) : _mm256_setzero_ps();
-    return _mm256_fnmadd_ps(_mm256_set1_ps(p.zero + kCodeBias<BITS>), halves(p.scales, i, g), min);
-  }
+  __m256 offset(int i, int64_t g) const { return halves(p.mins, i, g); }   // (the min: the zero point is in the sums)
   typename L::I codes(int64_t b, int s) const {
     return L::join(unsigned_code<BITS>(panel_quad<BITS>(block(0, b), s)),
                    P > 1 ? unsigned_code<BITS>(panel_quad<BITS>(block(1, b), s)) : __m256i{});
@@ -932,13 +938,52 @@ struct Packed {
   typename L::V offsets(int64_t g) const { return L::join_floats(offset(0, g), P > 1 ? offset(1, g) : __m256{}); }
 };
 
+// The sum of row m's codes in block b (half: of its half block h, for a group of 16), for the zero point
+// taken off a block's integer sums: sum (q - z) x = sum q x - z sum x, exact in int32
+inline int32_t code_sum(const Int8Activations& a, int64_t m, int64_t nb, int64_t b, int half) {
+  const int32_t* s = a.half_sums.data() + (m * nb + b) * 2;
+  return half < 0 ? s[0] + s[1] : s[half];
+}
+
+// cols sums of a tile's row into out: whole panels rounded 8 at a time (a bf16 output's scalar
+// conversions took 13% of a 1-row product)
+template <typename out_t>
+inline void store_sums(const float* sums, out_t* out, int cols) {
+  const int whole = cols / kPanel * kPanel;
+  store_rounded(sums, out, whole);
+  for (int j = whole; j < cols; ++j) out[j] = static_cast<out_t>(sums[j]);
+}
+
+// The offsets' term of R rows' sums, sum_g offsets(g) * (row r's group sum g), added to acc: four
+// chains of FMAs (groups g % 4) summed pairwise at the end, so that a row's result does not wait
+// on one FMA's latency per group (one chain took a fifth of a 1-row Q4_0 product). Every path of
+// the int8 product adds them so, for the same sums whatever the number of rows.
+template <typename L, int R, typename Offsets>
+inline void add_offsets(typename L::V acc[R], const Offsets& offsets, const float* group_sums, int64_t m0,
+                        int64_t groups) {
+  typename L::V chains[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) chains[r][c] = L::zero_floats();
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {      // (unrolled: the chains' index a constant, they stay in registers)
+      const int64_t g = g0 + c;
+      if (g >= groups) break;
+      const typename L::V o = offsets(g);
+      for (int r = 0; r < R; ++r) chains[r][c] = L::fmadd(o, L::splat(group_sums[(m0 + r) * groups + g]), chains[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    acc[r] = L::add(acc[r], L::add(L::add(chains[r][0], chains[r][1]), L::add(chains[r][2], chains[r][3])));
+}
+
 // out[r, j] for R rows from m0 and P panels' 8 P columns (the second panel's codes code_next bytes
 // after the first's, its scales and offsets float_next floats after). Without VNNI (one panel):
 // F steps of 4 codes the int16 sums take before they could overflow (2 * F * max code * 128 <=
 // 32767). A group of 16 changes scale mid-block.
 template <int BITS, int R, bool G16, int P, typename Source, typename out_t>
 inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, int64_t k, int64_t group,
-                       bool offset, out_t* out, int64_t stride, int cols) {
+                       bool offset, int32_t zero, out_t* out, int64_t stride, int cols) {
   using L = PanelLanes<P>;
   constexpr int F = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
   constexpr int kHalves = G16 ? 2 : 1, kSteps = 8 / kHalves;
@@ -985,39 +1030,193 @@ inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, 
       }
       const int64_t g = G16 ? 2 * b + h : (b * kBlock) / group;
       const typename L::V d = src.scales(g);
-      for (int r = 0; r < R; ++r) acc[r] = L::fmadd(L::to_floats(sum[r]), L::times(d, xd[r][b]), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        if (zero) sum[r] = L::minus(sum[r], zero * code_sum(a, m0 + r, nb, b, G16 ? h : -1));
+        acc[r] = L::fmadd(L::to_floats(sum[r]), L::times(d, xd[r][b]), acc[r]);
+      }
     }
   }
-  if (offset) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const typename L::V o = src.offsets(g);
-      for (int r = 0; r < R; ++r) acc[r] = L::fmadd(o, L::splat(a.group_sums[(m0 + r) * groups + g]), acc[r]);
-    }
-  }
+  if (offset) add_offsets<L, R>(acc, [&](int64_t g) { return src.offsets(g); }, a.group_sums.data(), m0, groups);
   // acc indexed by constants alone (an index the compiler cannot resolve keeps every row's sums in
   // memory, stored at each block: the kernel 1.15-1.2x slower at 32 rows)
   float sums[R][P * kPanel];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) L::store(sums[r], acc[r]);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < cols; ++j) out[(m0 + r) * stride + j] = static_cast<out_t>(sums[r][j]);
+  for (int r = 0; r < R; ++r) store_sums(sums[r], out + (m0 + r) * stride, cols);
 }
 
 // panel_tile for 1 to R rows
 template <int BITS, bool G16, int R, int P, typename Source, typename out_t>
 inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activations& a, int64_t m0, int64_t k,
-                            int64_t group, bool offset, out_t* out, int64_t stride, int cols) {
+                            int64_t group, bool offset, int32_t zero, out_t* out, int64_t stride, int cols) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_tile_rows<BITS, G16, R - 1, P>(rows, src, a, m0, k, group, offset, out, stride, cols);
+    if (rows < R) return panel_tile_rows<BITS, G16, R - 1, P>(rows, src, a, m0, k, group, offset, zero, out, stride, cols);
   }
-  panel_tile<BITS, R, G16, P>(src, a, m0, k, group, offset, out, stride, cols);
+  panel_tile<BITS, R, G16, P>(src, a, m0, k, group, offset, zero, out, stride, cols);
+}
+
+
+// add_high for 256-bit vectors of codes as bytes (two chunks side by side)
+template <int BITS, int SHIFT>
+inline __m256i with_high_bytes(__m256i code, __m256i high) {
+  constexpr int mask = ((1 << BITS) - 1) & ~0xF;
+  const __m256i moved = SHIFT >= 0 ? _mm256_slli_epi16(high, SHIFT) : _mm256_srli_epi16(high, -SHIFT);
+  return _mm256_or_si256(code, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(mask))));
+}
+
+template <int BITS>
+inline void add_high_bytes(int within, __m256i& lo, __m256i& hi, __m256i high) {
+  switch (within) {
+    case 0: lo = with_high_bytes<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
+    case 1: lo = with_high_bytes<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
+    case 2: lo = with_high_bytes<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
+    default: lo = with_high_bytes<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
+  }
+}
+
+// ---- the int8 product for a few rows (1 to kRows - 1, VNNI): one user's decode ----
+//
+// The same sums as panel_tile (bit for bit: the int32 sum of a block or half block, then per row one
+// conversion and one FMA with the scales times the row's block scale, and the offsets per group at
+// the end), so a decode row's logits do not depend on how many other rows share its step. What
+// differs is how the codes reach vpdpbusd: a step pair (two 16-byte chunks, codes 4s .. 4s + 7 of
+// the panel's eight rows) is decoded in 256-bit vectors as the two chunks lie, rows 0-3 of both
+// steps in one vector and rows 4-7 in the other, against a copy of the activations laid out to
+// match (the step pair's two quads, each repeated four times), and the two steps' halves are added
+// once per block. Per pair of steps, four instructions of nibble decoding and two products, where
+// panel_quad's 128-bit decoding takes seven a step and one chain a row waits on every product:
+// in cache, Qwen2.5-0.5B-shape Q4_0 linears, Zen 4, one thread: 1.45x the int16 matrix-vector
+// passes' rate (43 against 30 GB/s), 2x the panel tile's.
+
+// Step pair p's codes as unsigned bytes: lane l < 4 of q0 = row l's codes 8p .. 8p + 3 (step 2p),
+// lane l >= 4 = row l - 4's codes 8p + 4 .. 8p + 7 (step 2p + 1); q1 the same for rows 4-7.
+template <int BITS>
+inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
+  __m256i first, second;     // codes 4s, 4s + 1 of each row, and 4s + 2, 4s + 3; steps 2p | 2p + 1
+  if constexpr (BITS == 8) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p + 32));
+    first = _mm256_permute2x128_si256(v0, v1, 0x20);
+    second = _mm256_permute2x128_si256(v0, v1, 0x31);
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+    first = _mm256_and_si256(v, nibble);
+    second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    if constexpr (BITS > 4) {
+      // chunks 2p and 2p + 1 share a vector of high bits, the second's fields 2 (BITS - 4) bits
+      // above the first's: shifted down in the upper lane, both lanes take the first's shifts
+      constexpr int P = high_chunks(BITS), w = BITS - 4;
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (2 * p / P)));
+      const __m256i high = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(h), _mm256_setr_epi32(0, 0, 0, 0, 2 * w, 2 * w, 2 * w, 2 * w));
+      add_high_bytes<BITS>((2 * p) % P, first, second, high);
+    }
+  }
+  q0 = unsigned_code<BITS>(_mm256_unpacklo_epi16(first, second));
+  q1 = unsigned_code<BITS>(_mm256_unpackhi_epi16(first, second));
+}
+
+// The activations' int8 codes as pair_quads multiplies them: per row and block, four 32-byte
+// vectors, pair p's = quad 2p four times, then quad 2p + 1 four times
+std::vector<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+  std::vector<int8_t> out(rows * k * 4);
+  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  for (int64_t i = 0; i < rows * k / kBlock; ++i) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + i * kBlock));
+    for (int p = 0; p < 4; ++p)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + (4 * i + p) * 32), _mm256_permutevar8x32_epi32(q, spread[p]));
+  }
+  return out;
+}
+
+// gemm_int8 takes gemv_int8_panels below this many rows (where VNNI is)
+constexpr int64_t kSmallRows = 8;
+
+// M rows from m0 against one panel, into result[m][j]
+template <int BITS, int M, bool G16>
+inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations& a, const int8_t* pairs,
+                           int64_t m0, bool offset, int32_t zero, float result[][kPanel]) {
+  constexpr int kHalves = G16 ? 2 : 1, kPairs = 4 / kHalves;
+  constexpr int C = M <= 2 && kPairs > 2 ? 2 : 1;   // chains a row and vector: about eight products in flight
+  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = G16 ? 1 : p.group / kBlock;
+  const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
+  const at::Half* scales = p.scales + panel * groups * kPanel;   // the panel's 8 per group
+  const float* xd[M];
+  const int8_t* x[M];
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) {
+    xd[m] = a.scale.data() + (m0 + m) * nb;
+    x[m] = pairs + (m0 + m) * nb * 128;
+    acc[m] = _mm256_setzero_ps();
+  }
+  int64_t g = 0, left = per_group;          // the block's group (no division a block)
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = qs + b * panel_block(BITS);
+    prefetch_ahead(block, panel_block(BITS));
+    for (int h = 0; h < kHalves; ++h) {
+      __m256i s0[M][C], s1[M][C];
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) s0[m][c] = s1[m][c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < kPairs; ++i) {
+        __m256i q0, q1;
+        pair_quads<BITS>(block, h * kPairs + i, q0, q1);
+        for (int m = 0; m < M; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+          s0[m][i % C] = dot8(s0[m][i % C], q0, xv);
+          s1[m][i % C] = dot8(s1[m][i % C], q1, xv);
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (G16 ? 2 * b + h : g) * kPanel)));
+      for (int m = 0; m < M; ++m) {
+        for (int c = 1; c < C; ++c) s0[m][0] = _mm256_add_epi32(s0[m][0], s0[m][c]), s1[m][0] = _mm256_add_epi32(s1[m][0], s1[m][c]);
+        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x20),
+                                       _mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x31));
+        if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * code_sum(a, m0 + m, nb, b, G16 ? h : -1)));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd[m][b])), acc[m]);
+      }
+    }
+    if (--left == 0) ++g, left = per_group;
+  }
+  if (offset) {                     // the mins, as Packed::offset reads them
+    const at::Half* mins = p.mins + panel * groups * kPanel;
+    add_offsets<PanelLanes<1>, M>(acc, [&](int64_t gi) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + gi * kPanel)));
+    }, a.group_sums.data(), m0, groups);
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(result[m], acc[m]);
+}
+
+template <int BITS, bool G16, typename out_t>
+void gemv_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
+  const std::vector<int8_t> pairs = pair_layout(a, m, p.k);
+  const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
+  const int32_t zero = p.zero + kCodeBias<BITS>;
+  at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
+    float r[kPanel][kPanel];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t m0 = 0; m0 < m;) {       // up to 4 rows a pass (their sums fill the registers)
+        const int64_t rows = std::min<int64_t>(4, m - m0);
+        switch (rows) {
+          case 1: panel_dot_int8<BITS, 1, G16>(p, panel, a, pairs.data(), m0, offset, zero, r + m0); break;
+          case 2: panel_dot_int8<BITS, 2, G16>(p, panel, a, pairs.data(), m0, offset, zero, r + m0); break;
+          case 3: panel_dot_int8<BITS, 3, G16>(p, panel, a, pairs.data(), m0, offset, zero, r + m0); break;
+          default: panel_dot_int8<BITS, 4, G16>(p, panel, a, pairs.data(), m0, offset, zero, r + m0); break;
+        }
+        m0 += rows;
+      }
+      for (int64_t row = 0; row < m; ++row) store_sums(r[row], out + row * stride + panel * kPanel, kPanel);
+    }
+  });
 }
 
 template <int BITS, bool G16, typename out_t>
 void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const bool offset = p.mins || p.zero || kCodeBias<BITS>;
+  const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
+  const int32_t zero = p.zero + kCodeBias<BITS>;
   // rows a tile: with VNNI each row's sum is one chain of vpdpbusd, and AVX-512's 32 registers hold 8
   constexpr int kRows = kDpbusd && kWidePass ? 8 : 4;
   // panels first .. first + count - 1 against every row, in tiles of kRows rows and, where the build
@@ -1031,18 +1230,21 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
           if (i + 1 < count) {
             const int cols = static_cast<int>(std::min<int64_t>(2 * kPanel, n - n0));
             panel_tile_rows<BITS, G16, kRows, 2>(rows, source(i, std::integral_constant<int, 2>{}), a, m0, k, p.group,
-                                                 offset, out + n0, stride, cols);
+                                                 offset, zero, out + n0, stride, cols);
             i += 2;
             continue;
           }
         }
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - n0));
         panel_tile_rows<BITS, G16, kRows, 1>(rows, source(i, std::integral_constant<int, 1>{}), a, m0, k, p.group,
-                                             offset, out + n0, stride, cols);
+                                             offset, zero, out + n0, stride, cols);
         i += 1;
       }
     }
   };
+  if constexpr (kDpbusd) {
+    if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
+  }
   if (p.panels && m <= kRows) {        // one row tile: the codes decoded in registers
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
       tiles(begin, end - begin, [&](int64_t i, auto lanes) { return Packed<BITS, decltype(lanes)::value>{p, begin + i}; });
@@ -1595,6 +1797,8 @@ std::vector<int64_t> int8_bits() {
   return {4, 5, 6};
 }
 bool has_int8() { return !int8_bits().empty(); }
+// the fewest rows worth the int8 product: any with VNNI's small-row kernel, else 8 (below, the passes win)
+int64_t int8_min_rows() { return kDpbusd && kPanels ? 1 : 8; }
 bool has_panels() { return kPanels; }
 bool wide_pass() { return kWidePass; }
 bool has_bf16_gemm() { return brgemm_bf16_runs(); }
@@ -1649,6 +1853,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("int8_bits", &int8_bits, "the code widths this build's int8 product takes");
+  m.def("int8_min_rows", &int8_min_rows, "the fewest rows for which the int8 product beats the passes");
   m.def("has_panels", &has_panels, "whether this build multiplies the panel layout");
   m.def("wide_pass", &wide_pass, "whether this build's panel product takes 8 rows in one pass");
   m.def("pack_panels", &pack_panels, "row-major planes in the panel layout: qs (with the high bits), scales, mins");

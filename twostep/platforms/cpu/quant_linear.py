@@ -16,20 +16,24 @@ dtype and multiply with oneDNN / MKL: the float matmul's rate on unpacked weight
 trip through memory (0.77-0.85x of the pre-packed product). An embedding dequantizes only the rows
 it looks up.
 
-With int8 activations, inputs of INT8_ROWS rows or more take the kernel's int8 product instead, for
-4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block of 32 to int8
-as llama.cpp quantizes them for all its products. On an AVX2 EPYC it is 1.5-2x MKL's float32 GEMM
-at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows; on a Zen 4 with VNNI 2.0-2.1x the
-passes at 32 rows (benchmarks/RESULTS.md). Its rounding (a step of max|x| / 127 per block) is noise
+With int8 activations, inputs of the kernel's int8_min_rows() rows or more take its int8 product
+instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block
+of 32 to int8 as llama.cpp quantizes them for all its products. With VNNI that is any number of
+rows (below 8 a small-row kernel: one user's decode at 1.38x the int16 passes' rate on a Zen 4
+core, Q4_0); on AVX2 alone from 8 rows (below, its int16 passes win). On an AVX2 EPYC it is 1.5-2x
+MKL's float32 GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows; on a Zen 4 with
+VNNI 2.0-2.1x the passes at 32 rows (benchmarks/RESULTS.md). Each row's sums are the same bits
+whatever the number of rows beside it. Its rounding (a step of max|x| / 127 per block) is noise
 enough to flip a close top token: with it in the prompt's rows the default SmolLM2 file's answer to
 "What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
 "The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
   decode (the default): 16-bit activations (bf16, fp16) in the steps of a decode batch
-    (platforms/step_kind.py: every row one sequence's next generated token), the lm_head's logits
-    included, where 8 rows or more are 8 sequences or more: batch throughput at llama.cpp's
-    precision, while a prompt's forward (its last token too), speculative verification, one user's decode and float32 models (chosen for exactness) keep
-    the 16-bit (float32: int16) activations;
-  all: every input of 8 rows or more, prompts and float32 too (the fastest prefill);
+    (platforms/step_kind.py: every row one sequence's next generated token), one user's included,
+    the lm_head's logits too: decode at llama.cpp's precision, and a sequence's tokens independent
+    of how many others decode beside it; a prompt's forward (its last token too), speculative
+    verification and float32 models (chosen for exactness) keep the 16-bit (float32: int16)
+    activations;
+  all: every input from int8_min_rows() rows, prompts and float32 too (the fastest prefill);
   off: never.
 """
 from __future__ import annotations
@@ -45,7 +49,6 @@ from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
-INT8_ROWS = 8              # with int8 activations: from this many rows, the int8 product
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
 # shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
@@ -70,6 +73,7 @@ class QuantizedLinearMethod:
         self.kernel = kernel
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
+        self.int8_rows = kernel.int8_min_rows()   # 1 where VNNI's small-row kernel is, else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
         where = {"off": "", "decode": ", int8 activations in bf16/fp16 decode batches of 8+",
@@ -78,7 +82,7 @@ class QuantizedLinearMethod:
 
     def int8_for(self, x: torch.Tensor) -> bool:
         """Whether x's rows take the int8 product (for the code widths it takes)."""
-        if self.int8_mode == "off" or x.shape[0] < INT8_ROWS:
+        if self.int8_mode == "off" or x.shape[0] < self.int8_rows:
             return False
         return self.int8_mode == "all" or (x.element_size() == 2 and in_decode_batch())
 
@@ -99,12 +103,13 @@ class QuantizedLinearMethod:
         parts = layer.quantized.parts
         # the kernel's arguments for a one-part weight, so a decode step's call is one C++ call
         layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
+        layer.int8_part = len(parts) == 1 and parts[0].fmt.bits in self.int8_bits
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if (layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous()
-                and not self.int8_for(x)):
+        if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous():
             y = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
-            self.kernel.gemv(x, *layer.gemv_args, y)          # batch-1 decode: the short way
+            product = self.kernel.gemm_int8 if layer.int8_part and self.int8_for(x) else self.kernel.gemv
+            product(x, *layer.gemv_args, y)          # batch-1 decode: the short way
         else:
             y = self.matmul(layer.quantized, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         if layer.plain_bias is not None:
@@ -114,7 +119,7 @@ class QuantizedLinearMethod:
     def fused(self, layer, kernel, dtype: torch.dtype):
         """One quant_gemv per part into its columns, and where int8 activations apply to `dtype`
         in a decode batch (the decode stack's steps are decode batches) quant_gemm_int8 from
-        INT8_ROWS for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
+        int8_min_rows() for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
         number where every part takes the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
@@ -124,7 +129,7 @@ class QuantizedLinearMethod:
         int8_bits = self.int8_bits if int8 else frozenset()
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part), INT8_ROWS if part.fmt.bits in int8_bits else 0)
+            linear.add_quantized(*part.planes(), *_format_args(part), self.int8_rows if part.fmt.bits in int8_bits else 0)
         every_part_int8 = all(p.fmt.bits in int8_bits for p in layer.quantized.parts)
         return linear, None if every_part_int8 else GEMV_ROWS
 
