@@ -440,7 +440,7 @@ def main() -> None:
     g.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     g.add_argument("--int8-activations", action="store_true",
                    help="also twostep with --cpu-int8-activations all (prompts too at llama.cpp's activation "
-                        "precision; the default rounds decode batches only), back to back with the rest")
+                        "precision; the default rounds decode steps only), back to back with the rest")
     g.add_argument("--int16-activations", action="store_true",
                    help="also twostep with --cpu-int8-activations off (16-bit activations everywhere)")
     g.add_argument("--read-rate", action="store_true",
