@@ -455,38 +455,50 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
 
 // ---- the panel layout's matrix-vector product (1-8 rows) ----
 
-// code with the high bits of one chunk's half put in: `high` is the chunk's vector of high bits
-// (its bytes widened to int16 lanes or as they are), SHIFT moves the half's field to bit 4
-template <int BITS, int SHIFT, typename vec>
-inline vec with_high(vec code, vec high) {
-  constexpr int mask = ((1 << BITS) - 1) & ~0xF;
-  if constexpr (sizeof(vec) == 32) {
-    const __m256i moved = SHIFT >= 0 ? _mm256_slli_epi16(high, SHIFT) : _mm256_srli_epi16(high, -SHIFT);
+// high shifted left by SHIFT (negative: right) in 16-bit lanes
+template <int SHIFT>
+inline __m256i shifted16(__m256i high) { return SHIFT >= 0 ? _mm256_slli_epi16(high, SHIFT) : _mm256_srli_epi16(high, -SHIFT); }
+template <int SHIFT>
+inline __m128i shifted16(__m128i high) { return SHIFT >= 0 ? _mm_slli_epi16(high, SHIFT) : _mm_srli_epi16(high, -SHIFT); }
+
+// code | (moved & mask)
+inline __m256i or_masked(__m256i code, __m256i moved, __m256i mask) {
 #if defined(__AVX512VL__)
-    return _mm256_ternarylogic_epi32(code, moved, _mm256_set1_epi16(mask), 0xF8);   // code | (moved & mask)
+  return _mm256_ternarylogic_epi32(code, moved, mask, 0xF8);
 #else
-    return _mm256_or_si256(code, _mm256_and_si256(moved, _mm256_set1_epi16(mask)));
+  return _mm256_or_si256(code, _mm256_and_si256(moved, mask));
 #endif
-  } else {         // bytes: a 16-bit shift carries bits across bytes only below bit 4 or above bit 5
-    const __m128i moved = SHIFT >= 0 ? _mm_slli_epi16(high, SHIFT) : _mm_srli_epi16(high, -SHIFT);
+}
+inline __m128i or_masked(__m128i code, __m128i moved, __m128i mask) {
 #if defined(__AVX512VL__)
-    return _mm_ternarylogic_epi32(code, moved, _mm_set1_epi8(static_cast<char>(mask)), 0xF8);
+  return _mm_ternarylogic_epi32(code, moved, mask, 0xF8);
 #else
-    return _mm_or_si128(code, _mm_and_si128(moved, _mm_set1_epi8(static_cast<char>(mask))));
+  return _mm_or_si128(code, _mm_and_si128(moved, mask));
 #endif
-  }
+}
+
+// The bits above the nibble of each lane of codes (bytes, or bytes widened to 16-bit lanes): a
+// vector of ((1 << BITS) - 1) & ~0xF in lanes of that width
+template <int BITS>
+inline __m256i high_mask16() { return _mm256_set1_epi16(((1 << BITS) - 1) & ~0xF); }
+template <int BITS, typename vec>
+inline vec high_mask8() {
+  constexpr char mask = static_cast<char>(((1 << BITS) - 1) & ~0xF);
+  if constexpr (sizeof(vec) == 32) return _mm256_set1_epi8(mask); else return _mm_set1_epi8(mask);
 }
 
 // A chunk's two halves (codes 4c + u and 4c + 2 + u of each row) with their high bits put in from
-// the chunk's vector `high`; within = c % high_chunks(BITS), a constant where inlined (the shifts
-// are immediates)
+// the chunk's vector `high` (its bytes widened to 16-bit lanes or as they are; `mask` the field's
+// bits in a lane: a 16-bit shift carries bits across bytes only below bit 4 or above bit 5, which
+// the mask drops), SHIFT moving the half's field to bit 4; within = c % high_chunks(BITS), a
+// constant where inlined (the shifts are immediates)
 template <int BITS, typename vec>
-inline void add_high(int within, vec& lo, vec& hi, vec high) {
+inline void add_high(int within, vec& lo, vec& hi, vec high, vec mask) {
   switch (within) {
-    case 0: lo = with_high<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
-    case 1: lo = with_high<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
-    case 2: lo = with_high<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
-    default: lo = with_high<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
+    case 0: lo = or_masked(lo, shifted16<high_shift(BITS, 0, 0)>(high), mask); hi = or_masked(hi, shifted16<high_shift(BITS, 0, 1)>(high), mask); break;
+    case 1: lo = or_masked(lo, shifted16<high_shift(BITS, 1, 0)>(high), mask); hi = or_masked(hi, shifted16<high_shift(BITS, 1, 1)>(high), mask); break;
+    case 2: lo = or_masked(lo, shifted16<high_shift(BITS, 2, 0)>(high), mask); hi = or_masked(hi, shifted16<high_shift(BITS, 2, 1)>(high), mask); break;
+    default: lo = or_masked(lo, shifted16<high_shift(BITS, 3, 0)>(high), mask); hi = or_masked(hi, shifted16<high_shift(BITS, 3, 1)>(high), mask); break;
   }
 }
 
@@ -557,7 +569,7 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
             constexpr int P = high_chunks(BITS);
             if (i % P == 0)       // (a half starts a vector: i % P is c % P, known once unrolled)
               high = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (c / P))));
-            add_high<BITS>(i % P, lo, hi, high);
+            add_high<BITS>(i % P, lo, hi, high, high_mask16<BITS>());
           }
           for (int m = 0; m < M; ++m) {
             const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + 2 * c));
@@ -737,7 +749,7 @@ inline void panel_pairs(const uint8_t* block, int s, __m128i& first, __m128i& se
     if constexpr (BITS > 4) {
       constexpr int P = high_chunks(BITS);
       const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (s / P)));
-      add_high<BITS>(s % P, first, second, high);
+      add_high<BITS>(s % P, first, second, high, high_mask8<BITS, __m128i>());
     }
   }
 }
@@ -1056,24 +1068,6 @@ inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activatio
 }
 
 
-// add_high for 256-bit vectors of codes as bytes (two chunks side by side)
-template <int BITS, int SHIFT>
-inline __m256i with_high_bytes(__m256i code, __m256i high) {
-  constexpr int mask = ((1 << BITS) - 1) & ~0xF;
-  const __m256i moved = SHIFT >= 0 ? _mm256_slli_epi16(high, SHIFT) : _mm256_srli_epi16(high, -SHIFT);
-  return _mm256_or_si256(code, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(mask))));
-}
-
-template <int BITS>
-inline void add_high_bytes(int within, __m256i& lo, __m256i& hi, __m256i high) {
-  switch (within) {
-    case 0: lo = with_high_bytes<BITS, high_shift(BITS, 0, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 0, 1)>(hi, high); break;
-    case 1: lo = with_high_bytes<BITS, high_shift(BITS, 1, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 1, 1)>(hi, high); break;
-    case 2: lo = with_high_bytes<BITS, high_shift(BITS, 2, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 2, 1)>(hi, high); break;
-    default: lo = with_high_bytes<BITS, high_shift(BITS, 3, 0)>(lo, high); hi = with_high_bytes<BITS, high_shift(BITS, 3, 1)>(hi, high); break;
-  }
-}
-
 // ---- the int8 product for a few rows (1 to kRows - 1, VNNI): one user's decode ----
 //
 // The same sums as panel_tile (bit for bit: the int32 sum of a block or half block, then per row one
@@ -1109,7 +1103,7 @@ inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
       constexpr int P = high_chunks(BITS), w = BITS - 4;
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleChunks + 16 * (2 * p / P)));
       const __m256i high = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(h), _mm256_setr_epi32(0, 0, 0, 0, 2 * w, 2 * w, 2 * w, 2 * w));
-      add_high_bytes<BITS>((2 * p) % P, first, second, high);
+      add_high<BITS>((2 * p) % P, first, second, high, high_mask8<BITS, __m256i>());
     }
   }
   q0 = unsigned_code<BITS>(_mm256_unpacklo_epi16(first, second));
