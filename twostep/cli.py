@@ -57,10 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
     p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
                    choices=INT8_ACTIVATION_MODES,
-                   help="quantized weights on CPU, inputs of 8 rows or more: activations rounded to int8 per "
-                        "block of 32 as llama.cpp rounds them, for its speed at its precision. decode (default): "
-                        "in decode batches of 8+ sequences; all (the flag alone): prompts too; off: never, the "
-                        "16-bit activations (the float product within 2**-16)")
+                   help="quantized weights on CPU (from 1 row with VNNI, else from 8): activations rounded to "
+                        "int8 per block of 32 as llama.cpp rounds them, for its speed at its precision. decode "
+                        "(default): in decode steps, one user's too; all (the flag alone): prompts too; off: "
+                        "never, the 16-bit activations (the float product within 2**-16)")
     p.add_argument("--no-cpu-int8-activations", dest="cpu_int8_activations", action="store_const", const="off",
                    help="the same as --cpu-int8-activations off")
     spec = p.add_argument_group("speculative decoding")

@@ -149,6 +149,27 @@ def test_a_prompts_last_token_beside_decodes_is_not_a_decode_batch(tiny_model_di
     assert first_logprobs("decode") == first_logprobs("off")
 
 
+def test_a_decode_row_does_not_depend_on_its_batch(tiny_model_dir):
+    """The default (decode) where the int8 product has its small-row kernel (VNNI): each sequence
+    decodes the same tokens and logprobs alone as among twelve (one-token prompts, so every step
+    after the first is a decode batch: 1 row alone, 12 together), in the stack and in the layers;
+    with --cpu-int8-activations off alone it decodes other ones (int8 really ran at 1 row)."""
+    int8_or_skip()
+    from twostep import kernels
+
+    if kernels.quant_linear().int8_min_rows() != 1:
+        pytest.skip("the int8 product's small-row kernel needs VNNI")
+    kw = dict(dtype="bfloat16", quantization="int4", max_num_batched_tokens=256)
+    prompts = [[5 + i] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for engine in (stack_or_skip(make(tiny_model_dir("llama"), **kw)), layer_by_layer(make(tiny_model_dir("llama"), **kw))):
+        assert engine.model.model.layers[0].mlp.down_proj.quantized.parts[0].panels
+        alone = [outputs(engine, [p], params)[0] for p in prompts]
+        assert outputs(engine, prompts, params) == alone
+    plain = make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": "off"})
+    assert [outputs(plain, [p], params)[0] for p in prompts[:3]] != alone[:3]
+
+
 def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
     """Without int8 activations the stack takes what the matrix-vector kernel takes: 8 rows."""
     engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256,

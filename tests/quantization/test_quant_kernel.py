@@ -105,10 +105,11 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
     torch.testing.assert_close(got, direct, rtol=0, atol=atol + 4 * SCALE_ROUNDING * scale)
 
 
-@pytest.mark.parametrize("rows", [8, 13, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
 def test_int8_activations_product(qtype, n, k, rows):
-    """--cpu-int8-activations: from 8 rows, exactly the product of the int8-rounded activations
+    """--cpu-int8-activations: from part_int8_rows (1 for the panel layout with VNNI, else 8; fewer
+    rows keep the int16 product), exactly the product of the int8-rounded activations
     (4 to 6-bit codes, and 8-bit ones where the build has VNNI's u8 x s8 product; elsewhere they
     keep the int16 product), and near the float one."""
     kernel = kernel_builds()["simd"]
@@ -117,22 +118,26 @@ def test_int8_activations_product(qtype, n, k, rows):
     raw = random_blocks(qtype, n, k, seed=3 * n + k)
     weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
-    method = QuantizedLinearMethod(kernel, int8_activations="all")
-    got = method.matmul(weight, x)
+    method, int16 = QuantizedLinearMethod(kernel, int8_activations="all"), QuantizedLinearMethod(kernel)
     expected = F.linear(x, weight.dequantize())
     scale = expected.abs().max().item()
     if weight.parts[0].fmt.bits not in kernel.int8_bits():
-        torch.testing.assert_close(got, QuantizedLinearMethod(kernel).matmul(weight, x), rtol=0, atol=0)
+        torch.testing.assert_close(method.matmul(weight, x), int16.matmul(weight, x), rtol=0, atol=0)
         return
     exact = F.linear(int8_activations(x).double(), weight.dequantize().double()).float()
-    torch.testing.assert_close(got, exact, rtol=0, atol=1e-5 * scale)
-    torch.testing.assert_close(got, expected, rtol=0, atol=INT8_RTOL * scale)
-    # the panel layout the engine binds (where it fits) unpacks to the same bytes
-    assert torch.equal(method.matmul(method.prepare(weight), x), got)
-    # bf16 activations: what their float32 values give, rounded once
-    half = x.bfloat16()
-    torch.testing.assert_close(method.matmul(weight, half), method.matmul(weight, half.float()).bfloat16(),
-                               rtol=0, atol=0)
+    panels = method.prepare(weight)          # the layout the engine binds (where it fits)
+    for w in (weight, panels):
+        got = method.matmul(w, x)
+        if rows < method.part_int8_rows(w.parts[0]):
+            assert torch.equal(got, int16.matmul(w, x))
+            continue
+        torch.testing.assert_close(got, exact, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(got, expected, rtol=0, atol=INT8_RTOL * scale)
+        # bf16 activations: what their float32 values give, rounded once
+        half = x.bfloat16()
+        torch.testing.assert_close(method.matmul(w, half), method.matmul(w, half.float()).bfloat16(), rtol=0, atol=0)
+    if rows >= 8:        # the panel layout unpacks to the same bytes
+        assert torch.equal(method.matmul(panels, x), method.matmul(weight, x))
 
 
 def test_where_int8_activations_apply():
@@ -147,9 +152,9 @@ def test_where_int8_activations_apply():
     first = kernel.int8_min_rows()
     assert first == (1 if "vnni" in kernel.path() else 8)
     raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
-    weight = QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),))
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     plain = QuantizedLinearMethod(kernel)
+    weight = plain.prepare(QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),)))   # the panel layout
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     assert plain.int8_mode == "off" and "int8" not in plain.name
     int16, int8 = plain.matmul(weight, x), QuantizedLinearMethod(kernel, "all").matmul(weight, x)
     seven = plain.matmul(weight, x[:7])
@@ -163,6 +168,10 @@ def test_where_int8_activations_apply():
                 assert torch.equal(method.matmul(weight, x[:7]), int8[:7] if on and first <= 7 else seven)
             float32 = QuantizedLinearMethod(kernel, "decode").matmul(weight, x.float())
             assert torch.equal(float32, plain.matmul(weight, x.float()))
+    # a row-layout part (44 rows: no whole panels) has no small-row int8 kernel: 7 rows keep int16
+    rows44 = QuantizedWeight((pack_gguf(random_blocks(QType.Q4_0, 44, 256, seed=2), QType.Q4_0, 44, 256),))
+    assert not plain.prepare(rows44).parts[0].panels
+    assert torch.equal(QuantizedLinearMethod(kernel, "all").matmul(rows44, x[:7]), plain.matmul(rows44, x[:7]))
     assert "decode batches" in QuantizedLinearMethod(kernel, "decode").name
     assert QuantizedLinearMethod(kernel_builds()["portable"], "all").int8_mode == "off"
     with pytest.raises(ValueError, match="off, decode, all"):
@@ -312,27 +321,35 @@ def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype):
     kernel = panel_kernel()
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
-    n, k = 48, 512
-    if isinstance(qtype, str):
-        weight = QuantizedWeight((quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), qtype),))
-    else:
-        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=7), qtype, n, k),))
-    part = QuantizedLinearMethod(kernel).prepare(weight).parts[0]
-    if part.fmt.bits not in kernel.int8_bits():
-        pytest.skip(f"this build's int8 product does not take {part.fmt.bits}-bit codes")
-    args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(11, k, generator=torch.Generator().manual_seed(5)).to(dtype)
-        every = torch.empty(11, n, dtype=dtype)
-        kernel.gemm_int8(x, *args, every)
-        for rows in range(1, 11):
-            got = torch.empty(rows, n, dtype=dtype)
-            kernel.gemm_int8(x[:rows], *args, got)
-            assert torch.equal(got, every[:rows]), (dtype, rows)
-        int16 = torch.empty(8, n, dtype=dtype)
-        kernel.gemv(x[:8], *args, int16)
-        scale = int16.float().abs().max().item()
-        torch.testing.assert_close(every[:8].float(), int16.float(), rtol=0, atol=INT8_RTOL * scale)
+    threads = torch.get_num_threads()
+    # panels in pairs and not (40 rows: five panels), groups a multiple of four and not (k 576: 18)
+    for n, k in ((48, 512), (40, 576 if qtype not in K_QUANTS else 768)):
+        if isinstance(qtype, str):
+            weight = QuantizedWeight((quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), qtype),))
+        else:
+            weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=7), qtype, n, k),))
+        part = QuantizedLinearMethod(kernel).prepare(weight).parts[0]
+        assert part.panels
+        if part.fmt.bits not in kernel.int8_bits():
+            pytest.skip(f"this build's int8 product does not take {part.fmt.bits}-bit codes")
+        args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(11, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+            every = torch.empty(11, n, dtype=dtype)
+            kernel.gemm_int8(x, *args, every)
+            try:
+                for threads_now in (1, threads):       # threads change which panels go in pairs
+                    torch.set_num_threads(threads_now)
+                    for rows in range(1, 11):
+                        got = torch.empty(rows, n, dtype=dtype)
+                        kernel.gemm_int8(x[:rows], *args, got)
+                        assert torch.equal(got, every[:rows]), (n, k, dtype, rows, threads_now)
+            finally:
+                torch.set_num_threads(threads)
+            int16 = torch.empty(8, n, dtype=dtype)
+            kernel.gemv(x[:8], *args, int16)
+            scale = int16.float().abs().max().item()
+            torch.testing.assert_close(every[:8].float(), int16.float(), rtol=0, atol=INT8_RTOL * scale)
 
 
 def test_panel_layout_only_where_it_fits():

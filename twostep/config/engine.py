@@ -57,8 +57,8 @@ class EngineConfig:
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     cpu_gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
-    # quantized weights on CPU, 8+ rows: int8 activations as llama.cpp rounds them (faster, noisier):
-    # "decode" in decode batches (8+ sequences), "all" also prompts, "off"; True / False: all / off
+    # quantized weights on CPU (from 1 row with VNNI, else 8): int8 activations as llama.cpp rounds them
+    # (faster, noisier): "decode" in decode batches, "all" also prompts, "off"; True / False: all / off
     cpu_int8_activations: str | bool = "decode"
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask

@@ -7,7 +7,7 @@
 // batch-1 step on a 30-layer model.
 //
 // A linear is quantized parts (one quant_gemv each into its columns; with int8 activations, from
-// 8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers), a bf16 weight through the
+// the part's int8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers), a bf16 weight through the
 // bf16 matrix-vector op, or a float weight through at::linear, each with an optional bias.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -770,7 +770,7 @@ inline void panel_quads(const uint8_t* block, __m256i c[8]) {
 }
 
 // The int8 product multiplies unsigned codes: 8-bit ones shifted by kCodeBias (code + 128), which
-// the offsets take back (an offset of -128 * scale per group, through the activations' group sums)
+// comes off each block's int32 sum with the zero point (128 x the activations' block sum)
 template <int BITS>
 constexpr int kCodeBias = BITS == 8 ? 128 : 0;
 
@@ -805,8 +805,8 @@ inline void dequantize_panel_block(const uint8_t* block, const float* d0, const 
 }
 
 // A panel of 8 weight rows (output columns) n0.. as bytes, block by block: block b's bytes
-// 32 s + 4 j .. +3 are codes 4 s .. 4 s + 3 of column j; its scales and offsets (min - zero *
-// scale) per group, 8 floats each. Columns past n are zeros.
+// 32 s + 4 j .. +3 are codes 4 s .. 4 s + 3 of column j; its scales and offsets (the mins: the
+// zero point comes off the blocks' integer sums) per group, 8 floats each. Columns past n are zeros.
 template <int BITS>
 void unpack_panel(const Planes& p, int64_t n, int64_t n0, uint8_t* codes, float* scales, float* offsets) {
   const int64_t nb = p.k / kBlock, groups = p.groups_row();

@@ -49,6 +49,7 @@ from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
+INT8_TILE_ROWS = 8         # the int8 product's rows without its small-row kernel (AVX2, the row layout)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
 # shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
@@ -76,8 +77,8 @@ class QuantizedLinearMethod:
         self.int8_rows = kernel.int8_min_rows()   # 1 where VNNI's small-row kernel is, else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
-        where = {"off": "", "decode": ", int8 activations in bf16/fp16 decode batches of 8+",
-                 "all": ", int8 activations from 8 rows"}[self.int8_mode]
+        where = {"off": "", "decode": f", int8 activations in bf16/fp16 decode batches from {self.int8_rows} rows",
+                 "all": f", int8 activations from {self.int8_rows} rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
 
     def int8_for(self, x: torch.Tensor) -> bool:
@@ -85,6 +86,13 @@ class QuantizedLinearMethod:
         if self.int8_mode == "off" or x.shape[0] < self.int8_rows:
             return False
         return self.int8_mode == "all" or (x.element_size() == 2 and in_decode_batch())
+
+    def part_int8_rows(self, part: PackedWeight) -> int:
+        """From how many rows a part takes the int8 product (0: never): the small-row kernel reads
+        the panel layout only, so a row-layout part keeps the int16 passes below INT8_TILE_ROWS."""
+        if part.fmt.bits not in self.int8_bits:
+            return 0
+        return self.int8_rows if part.panels else max(self.int8_rows, INT8_TILE_ROWS)
 
     def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The layout this kernel multiplies fastest: the panel layout for the parts it fits."""
@@ -103,12 +111,13 @@ class QuantizedLinearMethod:
         parts = layer.quantized.parts
         # the kernel's arguments for a one-part weight, so a decode step's call is one C++ call
         layer.gemv_args = (*parts[0].planes(), *_format_args(parts[0])) if len(parts) == 1 else None
-        layer.int8_part = len(parts) == 1 and parts[0].fmt.bits in self.int8_bits
+        layer.int8_from = self.part_int8_rows(parts[0]) if len(parts) == 1 else 0   # 0: never
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.gemv_args is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and x.is_contiguous():
             y = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
-            product = self.kernel.gemm_int8 if layer.int8_part and self.int8_for(x) else self.kernel.gemv
+            int8 = 0 < layer.int8_from <= x.shape[0] and self.int8_for(x)
+            product = self.kernel.gemm_int8 if int8 else self.kernel.gemv
             product(x, *layer.gemv_args, y)          # batch-1 decode: the short way
         else:
             y = self.matmul(layer.quantized, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -119,7 +128,7 @@ class QuantizedLinearMethod:
     def fused(self, layer, kernel, dtype: torch.dtype):
         """One quant_gemv per part into its columns, and where int8 activations apply to `dtype`
         in a decode batch (the decode stack's steps are decode batches) quant_gemm_int8 from
-        int8_min_rows() for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
+        part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
         number where every part takes the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
@@ -129,7 +138,7 @@ class QuantizedLinearMethod:
         int8_bits = self.int8_bits if int8 else frozenset()
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part), self.int8_rows if part.fmt.bits in int8_bits else 0)
+            linear.add_quantized(*part.planes(), *_format_args(part), self.part_int8_rows(part) if int8 else 0)
         every_part_int8 = all(p.fmt.bits in int8_bits for p in layer.quantized.parts)
         return linear, None if every_part_int8 else GEMV_ROWS
 
@@ -143,7 +152,7 @@ class QuantizedLinearMethod:
         others as without it."""
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
         for part, columns in _part_columns(weight, out):
-            if part.fmt.bits in self.int8_bits:
+            if 0 < self.part_int8_rows(part) <= x.shape[0]:
                 self.kernel.gemm_int8(x, *part.planes(), *_format_args(part), columns)
             else:
                 self._plain_part(part, x, columns)
