@@ -950,11 +950,18 @@ struct Packed {
   typename L::V offsets(int64_t g) const { return L::join_floats(offset(0, g), P > 1 ? offset(1, g) : __m256{}); }
 };
 
-// The sum of row m's codes in block b (half: of its half block h, for a group of 16), for the zero point
-// taken off a block's integer sums: sum (q - z) x = sum q x - z sum x, exact in int32
-inline int32_t code_sum(const Int8Activations& a, int64_t m, int64_t nb, int64_t b, int half) {
-  const int32_t* s = a.half_sums.data() + (m * nb + b) * 2;
-  return half < 0 ? s[0] + s[1] : s[half];
+// zero x the sum of each row's codes in each block (G16: half block), [m, blocks, halves]: what
+// the zero point (and 8-bit codes' 128) takes off a block's integer sum, sum (q - z) x = sum q x -
+// z sum x, exact in int32; read from memory as one broadcast a row and block. Empty for zero 0.
+std::vector<int32_t> zero_terms_of(const Int8Activations& a, int64_t m, int64_t nb, int32_t zero, bool g16) {
+  if (zero == 0) return {};
+  std::vector<int32_t> out(m * nb * (g16 ? 2 : 1));
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const int32_t* s = a.half_sums.data() + 2 * i;
+    if (g16) out[2 * i] = zero * s[0], out[2 * i + 1] = zero * s[1];
+    else out[i] = zero * (s[0] + s[1]);
+  }
+  return out;
 }
 
 // cols sums of a tile's row into out: whole panels rounded 8 at a time (a bf16 output's scalar
@@ -995,7 +1002,7 @@ inline void add_offsets(typename L::V acc[R], const Offsets& offsets, const floa
 // 32767). A group of 16 changes scale mid-block.
 template <int BITS, int R, bool G16, int P, typename Source, typename out_t>
 inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, int64_t k, int64_t group,
-                       bool offset, int32_t zero, out_t* out, int64_t stride, int cols) {
+                       bool offset, const int32_t* zero_terms, out_t* out, int64_t stride, int cols) {
   using L = PanelLanes<P>;
   constexpr int F = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
   constexpr int kHalves = G16 ? 2 : 1, kSteps = 8 / kHalves;
@@ -1043,7 +1050,7 @@ inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, 
       const int64_t g = G16 ? 2 * b + h : (b * kBlock) / group;
       const typename L::V d = src.scales(g);
       for (int r = 0; r < R; ++r) {
-        if (zero) sum[r] = L::minus(sum[r], zero * code_sum(a, m0 + r, nb, b, G16 ? h : -1));
+        if (zero_terms) sum[r] = L::minus(sum[r], zero_terms[((m0 + r) * nb + b) * kHalves + h]);
         acc[r] = L::fmadd(L::to_floats(sum[r]), L::times(d, xd[r][b]), acc[r]);
       }
     }
@@ -1060,11 +1067,11 @@ inline void panel_tile(const Source& src, const Int8Activations& a, int64_t m0, 
 // panel_tile for 1 to R rows
 template <int BITS, bool G16, int R, int P, typename Source, typename out_t>
 inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activations& a, int64_t m0, int64_t k,
-                            int64_t group, bool offset, int32_t zero, out_t* out, int64_t stride, int cols) {
+                            int64_t group, bool offset, const int32_t* zero_terms, out_t* out, int64_t stride, int cols) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_tile_rows<BITS, G16, R - 1, P>(rows, src, a, m0, k, group, offset, zero, out, stride, cols);
+    if (rows < R) return panel_tile_rows<BITS, G16, R - 1, P>(rows, src, a, m0, k, group, offset, zero_terms, out, stride, cols);
   }
-  panel_tile<BITS, R, G16, P>(src, a, m0, k, group, offset, zero, out, stride, cols);
+  panel_tile<BITS, R, G16, P>(src, a, m0, k, group, offset, zero_terms, out, stride, cols);
 }
 
 
@@ -1130,7 +1137,7 @@ constexpr int64_t kSmallRows = 8;
 // M rows from m0 against one panel, into result[m][j]
 template <int BITS, int M, bool G16>
 inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations& a, const int8_t* pairs,
-                           int64_t m0, bool offset, int32_t zero, float result[][kPanel]) {
+                           int64_t m0, bool offset, const int32_t* zero_terms, float result[][kPanel]) {
   constexpr int kHalves = G16 ? 2 : 1, kPairs = 4 / kHalves;
   constexpr int C = M <= 2 && kPairs > 2 ? 2 : 1;   // chains a row and vector: about eight products in flight
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = G16 ? 1 : p.group / kBlock;
@@ -1167,7 +1174,7 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
         for (int c = 1; c < C; ++c) s0[m][0] = _mm256_add_epi32(s0[m][0], s0[m][c]), s1[m][0] = _mm256_add_epi32(s1[m][0], s1[m][c]);
         __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x20),
                                        _mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x31));
-        if (zero) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * code_sum(a, m0 + m, nb, b, G16 ? h : -1)));
+        if (zero_terms) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero_terms[((m0 + m) * nb + b) * kHalves + h]));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd[m][b])), acc[m]);
       }
     }
@@ -1186,7 +1193,8 @@ template <int BITS, bool G16, typename out_t>
 void gemv_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
   const std::vector<int8_t> pairs = pair_layout(a, m, p.k);
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
-  const int32_t zero = p.zero + kCodeBias<BITS>;
+  const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
+  const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
     float r[kPanel][kPanel];
     for (int64_t panel = begin; panel < end; ++panel) {
@@ -1210,7 +1218,8 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
-  const int32_t zero = p.zero + kCodeBias<BITS>;
+  const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
+  const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
   // rows a tile: with VNNI each row's sum is one chain of vpdpbusd, and AVX-512's 32 registers hold 8
   constexpr int kRows = kDpbusd && kWidePass ? 8 : 4;
   // panels first .. first + count - 1 against every row, in tiles of kRows rows and, where the build
