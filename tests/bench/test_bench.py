@@ -76,9 +76,11 @@ def test_bench_commands_run(tiny_model_dir, capsys, tmp_path):
 
 
 def test_ceilings_measure_and_bound_a_model():
-    from twostep.analysis.ceilings import (Ceilings, format_ceilings, gemv_bandwidth, matmul_flops,
-                                        model_bounds, read_bandwidth)
+    from twostep.analysis.ceilings import (Ceilings, format_ceilings, gemv_bandwidth, last_level_cache_bytes,
+                                        matmul_flops, model_bounds, read_bandwidth)
     import torch
+
+    assert 1 << 20 <= last_level_cache_bytes() <= 16 << 30    # a cache's size, not a parse error
 
     assert read_bandwidth(nbytes=1 << 24, reps=3) > 0
     assert matmul_flops(torch.bfloat16, n=256, reps=2) > 0
