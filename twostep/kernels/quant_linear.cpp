@@ -1217,6 +1217,9 @@ template <int BITS, bool G16, typename out_t>
 void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  if constexpr (kDpbusd) {
+    if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
+  }
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
   const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
   const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
@@ -1245,9 +1248,6 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
       }
     }
   };
-  if constexpr (kDpbusd) {
-    if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
-  }
   if (p.panels && m <= kRows) {        // one row tile: the codes decoded in registers
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
       tiles(begin, end - begin, [&](int64_t i, auto lanes) { return Packed<BITS, decltype(lanes)::value>{p, begin + i}; });

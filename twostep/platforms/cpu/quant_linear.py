@@ -29,8 +29,8 @@ enough to flip a close top token: with it in the prompt's rows the default SmolL
 "The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
   decode (the default): 16-bit activations (bf16, fp16) in the steps of a decode batch
     (platforms/step_kind.py: every row one sequence's next generated token), one user's included,
-    the lm_head's logits too: decode at llama.cpp's precision, and a sequence's tokens independent
-    of how many others decode beside it; a prompt's forward (its last token too), speculative
+    the lm_head's logits too: decode at llama.cpp's precision, a row's logits in a decode batch the
+    same whatever the batch (VNNI, the panel layout); a prompt's forward (its last token too), speculative
     verification and float32 models (chosen for exactness) keep the 16-bit (float32: int16)
     activations;
   all: every input from int8_min_rows() rows, prompts and float32 too (the fastest prefill);
