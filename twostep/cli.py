@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int8 per block of 32 as llama.cpp rounds them, for its speed at its precision. decode "
                         "(default): in decode steps, one user's too; all (the flag alone): prompts too; off: "
                         "never, the 16-bit activations (the float product within 2**-16)")
+    p.add_argument("--cpu-huge-pages", action=argparse.BooleanOptionalAction, default=d.cpu_huge_pages,
+                   help="weights a decode step streams copied at load into memory advised for transparent huge "
+                        "pages (2 MiB), where the OS gives them on request (default: on)")
     p.add_argument("--no-cpu-int8-activations", dest="cpu_int8_activations", action="store_const", const="off",
                    help="the same as --cpu-int8-activations off")
     spec = p.add_argument_group("speculative decoding")
@@ -112,7 +115,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads, speculative_config=speculative_config_from(args),
         attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
-        cpu_int8_activations=args.cpu_int8_activations,
+        cpu_int8_activations=args.cpu_int8_activations, cpu_huge_pages=args.cpu_huge_pages,
         kv_transfer_config=args.kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method, distributed_timeout_s=args.distributed_timeout,
     )

@@ -37,6 +37,15 @@ def canonical_dtype(name: str) -> str:
 INT8_ACTIVATION_MODES = ("off", "decode", "all")
 
 
+@dataclass(frozen=True, slots=True)
+class CpuOptions:
+    """How the CPU platform runs (EngineConfig's cpu_* fields, platforms/cpu)."""
+    prepack_weights: bool = True       # bf16: oneDNN pre-packed linears (bit-identical)
+    gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
+    int8_activations: str = "decode"   # quantized weights: where activations are rounded to int8 (off | decode | all)
+    huge_pages: bool = True            # the weights a decode step streams in 2 MiB pages, where the OS gives them
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None               # folder, .gguf file or hub id; None -> packaged default
@@ -60,6 +69,7 @@ class EngineConfig:
     # quantized weights on CPU (from 1 row with VNNI, else 8): int8 activations as llama.cpp rounds them
     # (faster, noisier): "decode" in decode batches, "all" also prompts, "off"; True / False: all / off
     cpu_int8_activations: str | bool = "decode"
+    cpu_huge_pages: bool = True            # decode's weights in transparent huge pages (2 MiB), where the OS gives them
     seed: int = 0                          # for requests without their own seed
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
     max_n: int = 128                       # the most completions one request may ask for
@@ -107,3 +117,7 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+
+    @property
+    def cpu(self) -> CpuOptions:
+        return CpuOptions(self.cpu_prepack_weights, self.cpu_gemv, self.cpu_int8_activations, self.cpu_huge_pages)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from twostep.config.engine import CpuOptions
 from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
 from twostep.core.model_runner import StepInputs
 from twostep.distributed.parallel import TensorParallel
@@ -53,9 +54,7 @@ class WorkerSpec:
     model: ModelSpec
     cache: CacheSpec
     device: str
-    cpu_prepack_weights: bool
-    cpu_gemv: bool
-    cpu_int8_activations: str             # off | decode | all (EngineConfig)
+    cpu: CpuOptions
     backend: str                    # gloo | nccl
     init_method: str
     timeout_s: float
@@ -259,7 +258,7 @@ def _build(rank: int, world_size: int, spec: WorkerSpec):
     if device.type == "cuda":      # one GPU per rank on its machine (untested here: no GPUs)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    platform = get_platform(device, spec.cpu_prepack_weights, spec.cpu_gemv, spec.cpu_int8_activations)
+    platform = get_platform(device, spec.cpu)
     import dataclasses
 
     model = dataclasses.replace(spec.model, platform=platform, tp=TensorParallel(rank, world_size))

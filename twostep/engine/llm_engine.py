@@ -50,8 +50,7 @@ class LLMEngine:
             self._pin_rank0(tp, cores)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.platform = get_platform(resolve_device(config.device), config.cpu_prepack_weights,
-                                     config.cpu_gemv, config.cpu_int8_activations)
+        self.platform = get_platform(resolve_device(config.device), config.cpu)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         model_spec = ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
@@ -107,7 +106,7 @@ class LLMEngine:
         c = self.config
         spec = WorkerSpec(dataclasses.replace(model_spec, platform=None, max_model_len=t.max_model_len),
                           dataclasses.replace(cache_spec, num_blocks=t.kv_plan.num_blocks),
-                          str(self.device), c.cpu_prepack_weights, c.cpu_gemv, c.cpu_int8_activations,
+                          str(self.device), c.cpu,
                           "nccl" if self.device.type == "cuda" else "gloo",
                           c.distributed_init_method or default_init_method(), c.distributed_timeout_s,
                           num_threads=c.num_threads)

@@ -36,7 +36,8 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
             switched.update(name for name in list(m.impls) if m.use(name, platform.custom_op(name, dtype)))
     if switched:
         done.append(f"{', '.join(sorted(switched))}: {platform.name} kernels")
-    return done
+    placement = platform.weights_placement()
+    return done + ([placement] if placement else [])
 
 
 def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from twostep.config import DTYPES
+from twostep.config.engine import CpuOptions
 from twostep.platforms.cpu import CpuPlatform
 from twostep.platforms.interface import Platform
 
@@ -17,10 +18,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def get_platform(device: torch.device, cpu_prepack_weights: bool = True, cpu_gemv: bool = True,
-                 cpu_int8_activations: str = "decode") -> Platform:
+def get_platform(device: torch.device, cpu: CpuOptions = CpuOptions()) -> Platform:
     if device.type == "cpu":
-        return CpuPlatform(device, cpu_prepack_weights, cpu_gemv, cpu_int8_activations)
+        return CpuPlatform(device, cpu)
     return Platform(device)
 
 

@@ -28,6 +28,10 @@ class Platform:
         None: such weights are dequantized at load to the model's dtype."""
         return None
 
+    def weights_placement(self) -> str | None:
+        """A line for the start-up log on where the bound weights live (huge pages), or None."""
+        return None
+
     def release_memory(self) -> None:
         """Give memory freed while loading back to the operating system, where that needs asking."""
         return None

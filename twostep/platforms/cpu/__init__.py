@@ -6,13 +6,14 @@ decode step's layers composed of those in one C++ call (kernels/decode_step.cpp)
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
 
-import ctypes
 from typing import Callable
 
 import torch
 
 from twostep import kernels
+from twostep.config.engine import CpuOptions
 from twostep.platforms.cpu.elementwise import elementwise_op
+from twostep.platforms.cpu.huge_pages import HugePageArena, give_back_freed_memory, thp_setting
 from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
 from twostep.platforms.cpu.paged_attention import paged_decode_attention
 from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod
@@ -22,11 +23,12 @@ from twostep.platforms.interface import Platform
 class CpuPlatform(Platform):
     name = "cpu"
 
-    def __init__(self, device: torch.device, prepack_weights: bool = True, gemv: bool = True,
-                 int8_activations: str = "decode") -> None:
+    def __init__(self, device: torch.device, options: CpuOptions = CpuOptions()) -> None:
         super().__init__(device)
-        self.prepack_weights, self.gemv, self.int8_activations = prepack_weights, gemv, int8_activations
+        self.options = options
         self._linear_methods: dict[torch.dtype, PackedLinearMethod | None] = {}
+        # the weights a decode step streams, copied there at load (huge_pages.py)
+        self.arena = HugePageArena() if options.huge_pages and HugePageArena.available() else None
 
     def default_dtype(self) -> torch.dtype:
         """bfloat16 where oneDNN computes it natively, else float32 (never float16 on CPU, whose
@@ -35,22 +37,27 @@ class CpuPlatform(Platform):
 
     def linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | None:
         if dtype not in self._linear_methods:
-            usable = self.prepack_weights and can_prepack(dtype, self.device)
+            usable = self.options.prepack_weights and can_prepack(dtype, self.device)
             self._linear_methods[dtype] = PackedLinearMethod(
-                kernels.linear_bf16() if self.gemv else None) if usable else None
+                kernels.linear_bf16() if self.options.gemv else None, self.arena) if usable else None
         return self._linear_methods[dtype]
 
     def quantized_linear_method(self) -> QuantizedLinearMethod | None:
         kernel = kernels.quant_linear()
-        return None if kernel is None else QuantizedLinearMethod(kernel, self.int8_activations)
+        return None if kernel is None else QuantizedLinearMethod(kernel, self.options.int8_activations, self.arena)
+
+    def weights_placement(self) -> str | None:
+        if self.arena is not None and self.arena.placed_bytes:
+            return (f"{self.arena.placed_bytes / 2**20:,.0f} MiB of weights in memory advised for 2 MiB pages "
+                    f"(transparent huge pages: {thp_setting()})")
+        if self.options.huge_pages and not HugePageArena.available():
+            return f"weights in 4 KiB pages (transparent huge pages: {thp_setting()})"
+        return None
 
     def release_memory(self) -> None:
         """glibc keeps the heap that loading freed (numpy temporaries of the GGUF repacking: 223 MiB
-        for a 505 MiB Q8_0 file) unless asked: malloc_trim returns it."""
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):       # not glibc
-            pass
+        for a 505 MiB Q8_0 file) unless asked."""
+        give_back_freed_memory()
 
     def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
         return elementwise_op(kernels.elementwise(), name, dtype)

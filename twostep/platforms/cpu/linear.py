@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from twostep.platforms.cpu.huge_pages import HugePageArena
+
 GEMV_MAX_ROWS = 3   # inputs with at most this many rows take the matrix-vector kernel (measured)
 
 
@@ -28,8 +30,9 @@ class PackedLinearMethod:
     attribute lookup): packed_weight for oneDNN, row_major_weight for the gemv kernel (None
     without it), plain_bias."""
 
-    def __init__(self, gemv=None) -> None:
+    def __init__(self, gemv=None, arena: HugePageArena | None = None) -> None:
         self.gemv = gemv                        # the linear_bf16 kernel module, or None
+        self.arena = arena                      # where the row-major weight goes (huge pages), or None
         self.name = "oneDNN packed" + (" + matrix-vector kernel" if gemv is not None else "")
 
     @property
@@ -37,6 +40,10 @@ class PackedLinearMethod:
         return self.gemv is not None
 
     def process_weights(self, layer) -> None:
+        if self.gemv is not None and self.arena is not None:
+            # the matrix-vector kernel streams it: into the arena in place, so that a tied
+            # embedding (the same Parameter) reads the copy too
+            layer.weight.data = self.arena.place(layer.weight.detach().contiguous())
         weight = layer.weight.detach()
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         layer.row_major_weight = weight.contiguous() if self.gemv is not None else None

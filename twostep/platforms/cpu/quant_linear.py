@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from twostep import kernels
 from twostep.config.engine import INT8_ACTIVATION_MODES
+from twostep.platforms.cpu.huge_pages import HugePageArena
 from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
@@ -66,12 +67,13 @@ class QuantizedLinearMethod:
     """A LinearMethod (layers/linear.py) for layers whose weight is a QuantizedWeight
     (layer.quantized); the layer keeps no float weight."""
 
-    def __init__(self, kernel, int8_activations: str = "off") -> None:
+    def __init__(self, kernel, int8_activations: str = "off", arena: HugePageArena | None = None) -> None:
         """int8_activations: where the int8 product applies (above; the engine passes its
-        --cpu-int8-activations, whose default is decode; "off" here, for a method built by hand)."""
+        --cpu-int8-activations, whose default is decode; "off" here, for a method built by hand).
+        arena: where prepared weights are placed (huge pages), or None: where packing left them."""
         if int8_activations not in INT8_ACTIVATION_MODES:
             raise ValueError(f"int8 activations: one of {', '.join(INT8_ACTIVATION_MODES)}; got {int8_activations!r}")
-        self.kernel = kernel
+        self.kernel, self.arena = kernel, arena
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
         self.int8_rows = kernel.int8_min_rows()   # 1 where VNNI's small-row kernel is, else 8
@@ -95,10 +97,18 @@ class QuantizedLinearMethod:
         return self.int8_rows if part.panels else max(self.int8_rows, INT8_TILE_ROWS)
 
     def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
-        """The layout this kernel multiplies fastest: the panel layout for the parts it fits."""
-        if not self.kernel.has_panels():
-            return weight
-        return QuantizedWeight(tuple(self._panels(p) if p.panel_layout_fits() else p for p in weight.parts))
+        """The layout this kernel multiplies fastest (the panel layout for the parts it fits), in
+        the arena where there is one."""
+        panels = self.kernel.has_panels()
+        return QuantizedWeight(tuple(self._placed(self._panels(p) if panels and p.panel_layout_fits() else p)
+                                     for p in weight.parts))
+
+    def _placed(self, part: PackedWeight) -> PackedWeight:
+        if self.arena is None:
+            return part
+        place = self.arena.place
+        return dataclasses.replace(part, qs=place(part.qs), qh=place(part.qh), scales=place(part.scales),
+                                   mins=place(part.mins))
 
     def _panels(self, part: PackedWeight) -> PackedWeight:
         qs, scales, mins = self.kernel.pack_panels(part.qs, part.qh, part.scales, part.mins, part.fmt.bits,
