@@ -6,7 +6,9 @@ kernel's weight stream against a plain read of the same number of bytes.
 
 All 97 linears of the Qwen2.5-0.5B shape (24 layers x qkv, o, gate_up, down, and the 151,936 x 896
 lm_head), random codes and scales in each format's packed layout (quantization/packed.py), each called
-once per round with an input of `rows` bf16 rows, as a decode step of that batch would: through the
+once per round with an input of `rows` bf16 rows, as a decode step of that batch would (the weights
+and the read's buffer in the memory the engine keeps weights in: 2 MiB pages where the OS gives
+them), through the
 int16 matrix-vector passes (--cpu-int8-activations off) and the int8 product (the default for a
 bf16 model's decode, where the kernel takes the format at that many rows). The products and the
 read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from twostep.kernels import quant_linear
+from twostep.platforms import get_platform
 from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod
 from twostep.quantization.packed import PackedFormat, QuantizedWeight, pack
 
@@ -56,7 +59,8 @@ def main() -> None:
     kernel = quant_linear()
     if kernel is None:
         raise SystemExit("the quantized kernel could not be built here (needs g++ and ninja)")
-    method = QuantizedLinearMethod(kernel)
+    platform = get_platform(torch.device("cpu"))     # its arena: weights where the engine keeps them
+    method = QuantizedLinearMethod(kernel, arena=platform.arena)
     methods = {"int16": method, "int8": QuantizedLinearMethod(kernel, int8_activations="all")}
     rng = np.random.default_rng(0)
     shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
@@ -67,7 +71,7 @@ def main() -> None:
         weights = [method.prepare(random_weight(n, k, PackedFormat(bits, group or k, has_min, name), rng))
                    for n, k in shapes]
         nbytes = sum(w.nbytes for w in weights)
-        flat = torch.ones(nbytes // 4)            # a plain read of as many bytes
+        flat = platform.place_streamed(torch.ones(nbytes // 4))    # a plain read of as many bytes, alike
         print(f"{name}: {nbytes / 1e6:.0f} MB packed ({8 * nbytes / sum(n * k for n, k in shapes):.2f} bits per weight)")
         for rows in args.rows:
             x = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in shapes}}

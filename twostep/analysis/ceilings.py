@@ -1,8 +1,8 @@
 """`twostep bench ceilings`: this machine's limits, measured with the ops the engine uses, and
 the roofline bounds they put on a model's two phases.
 
-- memory read bandwidth: a reduction over a tensor far larger than the caches (the bound
-  for decode, which reads every weight once per step);
+- memory read bandwidth: a reduction over a tensor far larger than the caches, in the memory
+  the weights live in (the bound for decode, which reads every weight once per step);
 - matmul FLOP/s per dtype: a large square linear (the bound for prefill);
 - the bf16 matrix-vector rate of the engine's own linear path (pre-packed oneDNN on CPU),
   the rate batch-1 decode really gets, on a weight several times the last-level cache.
@@ -40,7 +40,11 @@ def _median_seconds(fn, reps: int) -> float:
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 9) -> float:
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    """A sum over a tensor in the memory the platform streams weights from (2 MiB pages where the
+    OS gives them: a plain read there ran 1.15x one in 4 KiB pages, 67 against 58 GB/s)."""
+    from twostep.platforms import get_platform
+
+    x = get_platform(torch.device("cpu")).place_streamed(torch.ones(nbytes // 4, dtype=torch.float32))
     return nbytes / _median_seconds(lambda: x.sum(), reps) / 1e9
 
 

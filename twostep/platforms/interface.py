@@ -28,6 +28,10 @@ class Platform:
         None: such weights are dequantized at load to the model's dtype."""
         return None
 
+    def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
+        """t in the memory this platform keeps the weights a decode step streams in (a copy), or t."""
+        return t
+
     def weights_placement(self) -> str | None:
         """A line for the start-up log on where the bound weights live (huge pages), or None."""
         return None

@@ -46,6 +46,9 @@ class CpuPlatform(Platform):
         kernel = kernels.quant_linear()
         return None if kernel is None else QuantizedLinearMethod(kernel, self.options.int8_activations, self.arena)
 
+    def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.arena is None else self.arena.place(t)
+
     def weights_placement(self) -> str | None:
         if self.arena is not None and self.arena.placed_bytes:
             return (f"{self.arena.placed_bytes / 2**20:,.0f} MiB of weights in memory advised for 2 MiB pages "
