@@ -126,13 +126,15 @@ class Twostep:
     name = "twostep"
 
     def __init__(self, path: str, dtype: str, threads: int, kv_cache_memory: str | None = None,
-                 int8_activations: str = "decode"):
+                 int8_activations: str = "decode", huge_pages: bool = True):
         from twostep import LLM
 
         # the default (decode) is "twostep"; --cpu-int8-activations all / off named after the mode
         self.name = {"decode": "twostep", "all": "twostep int8", "off": "twostep int16"}[int8_activations]
+        self.name += "" if huge_pages else " 4K pages"
         self.llm = LLM(path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
-                       kv_cache_memory=kv_cache_memory, cpu_int8_activations=int8_activations)
+                       kv_cache_memory=kv_cache_memory, cpu_int8_activations=int8_activations,
+                       cpu_huge_pages=huge_pages)
 
     def generate(self, reqs):
         from twostep import SamplingParams
@@ -295,6 +297,8 @@ def run_phases(args) -> dict:
         print(f"{name}: {status}", flush=True)
     modes = ["decode"] + (["all"] if args.int8_activations else []) + (["off"] if args.int16_activations else [])
     ours = [Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", int8_activations=m) for m in modes]
+    if args.small_pages:
+        ours.append(Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", huge_pages=False))
     engines = [e for e in (*ours, hf, cpp) if e is not None]
     warm = Phase("warm-up", 1, 16, 4)
     for e in engines:
@@ -446,6 +450,8 @@ def main() -> None:
                         "precision; the default rounds decode steps only), back to back with the rest")
     g.add_argument("--int16-activations", action="store_true",
                    help="also twostep with --cpu-int8-activations off (16-bit activations everywhere)")
+    g.add_argument("--small-pages", action="store_true",
+                   help="also twostep with --no-cpu-huge-pages (its weights in 4 KiB pages)")
     g.add_argument("--read-rate", action="store_true",
                    help="measure a plain read before and after each batch-1 decode run and report each "
                         "engine's weight stream as a share of it")
