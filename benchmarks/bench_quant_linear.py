@@ -59,15 +59,16 @@ def main() -> None:
     kernel = quant_linear()
     if kernel is None:
         raise SystemExit("the quantized kernel could not be built here (needs g++ and ninja)")
-    platform = get_platform(torch.device("cpu"))     # its arena: weights where the engine keeps them
-    method = QuantizedLinearMethod(kernel, arena=platform.arena)
-    methods = {"int16": method, "int8": QuantizedLinearMethod(kernel, int8_activations="all")}
+    methods = {"int16": QuantizedLinearMethod(kernel), "int8": QuantizedLinearMethod(kernel, int8_activations="all")}
     rng = np.random.default_rng(0)
     shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
     print(f"{len(shapes)} linears of the Qwen2.5-0.5B shape; kernel path: {kernel.path()}")
     for name in args.formats:
         bits, group, has_min = FORMATS[name]
-        # in the layout the engine binds them in (the panel layout where it fits)
+        # in the layout and the memory the engine binds them in (the panel layout where it fits;
+        # a platform's arena a format, freed with it)
+        platform = get_platform(torch.device("cpu"))
+        method = QuantizedLinearMethod(kernel, arena=platform.arena)
         weights = [method.prepare(random_weight(n, k, PackedFormat(bits, group or k, has_min, name), rng))
                    for n, k in shapes]
         nbytes = sum(w.nbytes for w in weights)

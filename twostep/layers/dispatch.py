@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:
+    placed_before = platform.placed_bytes()
     done = _bind_quantized(model, platform, dtype)
     method = platform.linear_method(dtype)
     if method is not None:
@@ -36,7 +37,7 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
             switched.update(name for name in list(m.impls) if m.use(name, platform.custom_op(name, dtype)))
     if switched:
         done.append(f"{', '.join(sorted(switched))}: {platform.name} kernels")
-    placement = platform.weights_placement()
+    placement = platform.weights_placement(placed_before)
     return done + ([placement] if placement else [])
 
 

@@ -32,8 +32,13 @@ class Platform:
         """t in the memory this platform keeps the weights a decode step streams in (a copy), or t."""
         return t
 
-    def weights_placement(self) -> str | None:
-        """A line for the start-up log on where the bound weights live (huge pages), or None."""
+    def placed_bytes(self) -> int:
+        """Bytes place_streamed and this platform's linear methods have copied so far."""
+        return 0
+
+    def weights_placement(self, placed_before: int) -> str | None:
+        """A line for the start-up log on where the weights bound since placed_bytes() was
+        placed_before live (huge pages), or None."""
         return None
 
     def release_memory(self) -> None:

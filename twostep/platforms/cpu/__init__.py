@@ -49,9 +49,13 @@ class CpuPlatform(Platform):
     def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.arena is None else self.arena.place(t)
 
-    def weights_placement(self) -> str | None:
-        if self.arena is not None and self.arena.placed_bytes:
-            return (f"{self.arena.placed_bytes / 2**20:,.0f} MiB of weights in memory advised for 2 MiB pages "
+    def placed_bytes(self) -> int:
+        return 0 if self.arena is None else self.arena.placed_bytes
+
+    def weights_placement(self, placed_before: int) -> str | None:
+        placed = self.placed_bytes() - placed_before      # a draft model shares the target's platform
+        if placed:
+            return (f"{placed / 2**20:,.0f} MiB of weights in memory advised for 2 MiB pages "
                     f"(transparent huge pages: {thp_setting()})")
         if self.options.huge_pages and not HugePageArena.available():
             return f"weights in 4 KiB pages (transparent huge pages: {thp_setting()})"
