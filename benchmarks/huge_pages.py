@@ -11,6 +11,7 @@ produce the same tokens (the weights are the same bytes, only where they live di
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -50,7 +51,7 @@ def main() -> None:
         for name, llm in engines.items():
             times[name].append(decode_ms(llm, args.batch, args.tokens)[0])
     huge, small = (statistics.median(times[n]) for n in engines)
-    print(f"{path.name if hasattr(path, 'name') else path}, batch {args.batch}, {torch.get_num_threads()} threads, "
+    print(f"{os.path.basename(path)}, batch {args.batch}, {torch.get_num_threads()} threads, "
           f"{args.tokens} tokens x {args.rounds} rounds (ms per decode step, medians)")
     for name in engines:
         print(f"  {name}: {statistics.median(times[name]):6.2f} ms   rounds: "
