@@ -1,7 +1,11 @@
 """The linears of one decode step, alone: the C++ matrix-vector kernel against oneDNN (pre-packed)
 and plain F.linear, and a plain read of the same bytes for the ceiling.
 
-    .venv/bin/python benchmarks/bench_linear.py [--rows 1 2 3 4 8] [--reps 9]
+    .venv/bin/python benchmarks/bench_linear.py [--rows 1 2 3 4 8] [--reps 9] [--dtype float32]
+
+--dtype float32: a float32 model's view (CPUs without native bf16): the kernel's float32 inputs
+against the bf16 weights (platforms/cpu/bf16_weights.py) and F.linear on the same weights widened
+to float32 (twice the bytes); each path's GB/s counts the bytes it reads.
 
 All 97 linears of the Qwen2.5-0.5B shape (24 layers x qkv, o, gate_up, down, and the 151,936 x 896
 lm_head; 988 MB of bf16 weights, random), each called once per round with an input of `rows` rows,
@@ -28,32 +32,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the activations' dtype (float32: bf16 weights against float32 inputs)")
     args = ap.parse_args()
     kernel = linear_bf16()
+    usable = kernel is not None and (kernel.has_bf16_dot() if args.dtype == "bfloat16" else kernel.has_float32_path())
     torch.manual_seed(0)
     weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
     weights.append(torch.randn(*LM_HEAD).to(torch.bfloat16))
-    packed = [packed_linear(w) for w in weights]
     nbytes = sum(w.numel() * 2 for w in weights)
     flat = torch.ones(nbytes // 2, dtype=torch.bfloat16)
-    print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of bf16 weights; kernel: "
-          f"{'built' if kernel else 'unavailable (no g++/ninja or no AVX512-BF16)'}")
+    print(f"{len(weights)} linears, {nbytes / 1e6:.0f} MB of bf16 weights, {args.dtype} inputs; kernel: "
+          f"{'built' if usable else 'unavailable here'}")
+    if args.dtype == "float32":
+        wide = [w.float() for w in weights]
+    else:
+        packed = [packed_linear(w) for w in weights]
     for rows in args.rows:
-        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
-        paths = {"oneDNN packed": lambda: [p(x[w.shape[1]]) for p, w in zip(packed, weights)],
-                 "F.linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
-                 "plain read (sum)": flat.sum}
-        if kernel is not None:
-            paths["C++ kernel"] = lambda: [kernel.linear_bf16(x[w.shape[1]], w, None) for w in weights]
+        dtype = getattr(torch, args.dtype)
+        x = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w in weights}}
+        if args.dtype == "float32":
+            paths = {"F.linear float32": (lambda: [F.linear(x[w.shape[1]], w) for w in wide], 2 * nbytes)}
+        else:
+            paths = {"oneDNN packed": (lambda: [p(x[w.shape[1]]) for p, w in zip(packed, weights)], nbytes),
+                     "F.linear": (lambda: [F.linear(x[w.shape[1]], w) for w in weights], nbytes)}
+        paths["plain read (sum)"] = (flat.sum, nbytes)
+        if usable:
+            paths["C++ kernel"] = (lambda: [kernel.linear_bf16(x[w.shape[1]], w, None) for w in weights], nbytes)
         times = {name: [] for name in paths}
         for _ in range(args.reps):
-            for name, fn in paths.items():
+            for name, (fn, _) in paths.items():
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
         for name, t in times.items():
             med = statistics.median(t)
-            print(f"rows {rows}: {name:17s} {med * 1e3:6.1f} ms  {nbytes / med / 1e9:5.1f} GB/s")
+            print(f"rows {rows}: {name:17s} {med * 1e3:6.1f} ms  {paths[name][1] / med / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -126,15 +126,15 @@ class Twostep:
     name = "twostep"
 
     def __init__(self, path: str, dtype: str, threads: int, kv_cache_memory: str | None = None,
-                 int8_activations: str = "decode", huge_pages: bool = True):
+                 int8_activations: str = "decode", huge_pages: bool = True, gemv: bool = True):
         from twostep import LLM
 
         # the default (decode) is "twostep"; --cpu-int8-activations all / off named after the mode
         self.name = {"decode": "twostep", "all": "twostep int8", "off": "twostep int16"}[int8_activations]
-        self.name += "" if huge_pages else " 4K pages"
+        self.name += ("" if huge_pages else " 4K pages") + ("" if gemv else " no-gemv")
         self.llm = LLM(path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
                        kv_cache_memory=kv_cache_memory, cpu_int8_activations=int8_activations,
-                       cpu_huge_pages=huge_pages)
+                       cpu_huge_pages=huge_pages, cpu_gemv=gemv)
 
     def generate(self, reqs):
         from twostep import SamplingParams
@@ -299,6 +299,8 @@ def run_phases(args) -> dict:
     ours = [Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", int8_activations=m) for m in modes]
     if args.small_pages:
         ours.append(Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", huge_pages=False))
+    if args.no_gemv:
+        ours.append(Twostep(path, args.dtype, args.threads, kv_cache_memory="2GiB", gemv=False))
     engines = [e for e in (*ours, hf, cpp) if e is not None]
     warm = Phase("warm-up", 1, 16, 4)
     for e in engines:
@@ -452,6 +454,9 @@ def main() -> None:
                    help="also twostep with --cpu-int8-activations off (16-bit activations everywhere)")
     g.add_argument("--small-pages", action="store_true",
                    help="also twostep with --no-cpu-huge-pages (its weights in 4 KiB pages)")
+    g.add_argument("--no-gemv", action="store_true",
+                   help="also twostep with --no-cpu-gemv (bf16: oneDNN for 1-3 rows; float32: weights that hold "
+                        "bf16 values widened to float32 at load, as before 2026-12-05)")
     g.add_argument("--read-rate", action="store_true",
                    help="measure a plain read before and after each batch-1 decode run and report each "
                         "engine's weight stream as a share of it")

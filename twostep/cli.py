@@ -53,8 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "reference", "cpu_paged"],
                    help="auto: the C++ paged decode kernel on CPU where it builds, else PyTorch (reference)")
     p.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=d.cpu_gemv,
-                   help="bf16 on CPU: batch-1 linears through the C++ matrix-vector kernel, which keeps a "
-                        "row-major copy of the layer weights beside oneDNN's packed one (default: on)")
+                   help="CPU: batch-1 linears through the C++ matrix-vector kernel: in bf16 it keeps a "
+                        "row-major copy of the layer weights beside oneDNN's packed one; in float32 the weights "
+                        "that hold only bf16 values stay in bf16, half the bytes (default: on)")
     p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
                    choices=INT8_ACTIVATION_MODES,
                    help="quantized weights on CPU (from 1 row with VNNI, else from 8): activations rounded to "
@@ -324,7 +325,7 @@ def summary_line(out, engine) -> str:
 
 def run_build_kernels() -> int:
     """Each kernel built (or found built) for this CPU; one that cannot build is not an error: the
-    engine falls back to PyTorch there (linear_bf16 also needs AVX512-BF16)."""
+    engine falls back to PyTorch there (linear_bf16's bf16 inputs also need AVX512-BF16)."""
     from twostep.kernels import build_all
 
     for name, usable in build_all().items():

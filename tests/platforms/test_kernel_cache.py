@@ -29,3 +29,19 @@ def test_a_fresh_process_imports_the_cached_builds():
         assert not probe["cpp_extension"], "a cached kernel went through torch's build tooling"
         assert probe["seconds"] < 2.0, probe
 
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """torch waits for ever while a build folder holds a lock: an old one (a killed build) goes, a
+    fresh one (a build under way in another process) stays."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("old_build", kernels.STALE_LOCK_SECONDS + 60, False), ("running_build", 5, True)):
+        lock = tmp_path / name / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        kernels._clear_stale_lock(name)
+        assert lock.exists() == kept

@@ -16,7 +16,7 @@ def kernel_or_skip():
     from twostep.kernels import linear_bf16
 
     kernel = linear_bf16()
-    if kernel is None:
+    if kernel is None or not kernel.has_bf16_dot():
         pytest.skip("the bf16 matrix-vector kernel needs g++/ninja and an AVX512-BF16 CPU")
     return kernel
 
@@ -52,8 +52,10 @@ def test_kernel_keeps_leading_dimensions_and_rejects_bad_input():
     w = torch.randn(16, 40).to(torch.bfloat16)
     x = torch.randn(1, 2, 40).to(torch.bfloat16)
     assert kernel.linear_bf16(x, w, None).shape == (1, 2, 16)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.linear_bf16(x.float(), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel.linear_bf16(x.half(), w, None)
+    with pytest.raises(RuntimeError, match="weight must be bfloat16"):
+        kernel.linear_bf16(x, w.float(), None)
     with pytest.raises(RuntimeError, match="features"):
         kernel.linear_bf16(torch.randn(1, 39).to(torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):

@@ -118,10 +118,10 @@ def _run_ceilings(args: argparse.Namespace) -> int:
 
         name = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
         path = default_model_path() if args.model == "default" else args.model
-        # the weights as the engine holds them: a quantized file's own format (kept packed), else
-        # the compute dtype
+        # the weights as the engine holds them: a quantized file's own format (kept packed), a bf16
+        # file's bf16 under float32 too (platforms/cpu/bf16_weights.py), else the compute dtype
         model = analyze(path, hardware="this", kv_dtype=name).model
-        if model.bytes_per_weight >= 2:
+        if model.bytes_per_weight >= 2 and not (model.weight_format == "bf16" and name == "fp32"):
             model = analyze(path, hardware="this", dtype=name, kv_dtype=name).model
         bounds = model_bounds(c, model.num_params, model.weight_bytes, args.dtype)
     if args.json:

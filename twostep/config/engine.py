@@ -41,7 +41,8 @@ INT8_ACTIVATION_MODES = ("off", "decode", "all")
 class CpuOptions:
     """How the CPU platform runs (EngineConfig's cpu_* fields, platforms/cpu)."""
     prepack_weights: bool = True       # bf16: oneDNN pre-packed linears (bit-identical)
-    gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
+    gemv: bool = True                  # C++ matrix-vector kernel: bf16 1-3 rows (keeps row-major weights too);
+    #                                    float32: bf16-valued weights kept in bf16 (platforms/cpu/bf16_weights.py)
     int8_activations: str = "decode"   # quantized weights: where activations are rounded to int8 (off | decode | all)
     huge_pages: bool = True            # the weights a decode step streams in 2 MiB pages, where the OS gives them
 
@@ -65,7 +66,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"           # auto (= model dtype) | bfloat16 | float16 | float32 | int8 | fp8_e4m3 | fp8_e5m2
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
-    cpu_gemv: bool = True                  # with them: C++ kernel for 1-3 row inputs (keeps row-major weights too)
+    cpu_gemv: bool = True                  # CpuOptions.gemv
     # quantized weights on CPU (from 1 row with VNNI, else 8): int8 activations as llama.cpp rounds them
     # (faster, noisier): "decode" in decode batches, "all" also prompts, "off"; True / False: all / off
     cpu_int8_activations: str | bool = "decode"

@@ -60,6 +60,7 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
         try:
             from torch.utils.cpp_extension import load
 
+            _clear_stale_lock(name + suffix)
             fresh = not _is_built(name + suffix)
             if fresh:
                 logger.info("compiling the C++ kernel %s for this CPU (once; up to a few minutes) ...", source)
@@ -108,6 +109,25 @@ def _import_built(name: str):
         return None
 
 
+# a build takes up to ~3 minutes on two cores; a lock this old was left by a build that was killed
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build waits, silently and for ever, while its folder holds a lock file; a build
+    killed mid-way (Ctrl-C, a timeout) leaves one behind. Remove a lock older than any build."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except Exception:  # noqa: BLE001 - no lock (the usual case), or the private helper moved
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f minutes ago by a kernel build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
+
+
 def _is_built(name: str) -> bool:
     """Whether a build of this module is in torch's extension cache (torch still checks it is current)."""
     try:
@@ -134,10 +154,10 @@ def paged_attention():
 
 @functools.lru_cache(maxsize=None)
 def linear_bf16():
-    """The bf16 matrix-vector extension module, or None where it cannot be built or this CPU has no
-    AVX512-BF16 (the build targets the machine it runs on)."""
-    module = _load("twostep_linear_bf16", "linear_bf16.cpp")
-    return module if module is not None and module.available() else None
+    """The matrix-vector extension module for bf16 weights, or None where it cannot be built. Its
+    bf16 inputs need AVX512-BF16 (has_bf16_dot()), its float32 inputs AVX2 or plain C++
+    (has_float32_path()): the build targets the machine it runs on."""
+    return _load("twostep_linear_bf16", "linear_bf16.cpp")
 
 
 @functools.lru_cache(maxsize=None)

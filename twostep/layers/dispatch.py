@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:
     placed_before = platform.placed_bytes()
+    for m in model.modules():
+        if isinstance(m, Embedding):
+            m.dtype = dtype            # what its lookups return, whatever the table's form
     done = _bind_quantized(model, platform, dtype)
     method = platform.linear_method(dtype)
     if method is not None:
@@ -28,6 +31,10 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
         for linear in linears:
             linear.set_method(method)
         done.append(f"{len(linears)} linears: {method.name}")
+        narrowed = [m for m in linears if m.weight is not None and m.weight.dtype != dtype]
+        if narrowed:
+            done.append(f"{len(narrowed)} of them in {str(narrowed[0].weight.dtype).removeprefix('torch.')}, "
+                        "widened exactly in the C++ matrix-vector kernel (--no-cpu-gemv: widened at load)")
         if getattr(method, "keeps_row_major", False):
             done.append(f"1-3 row inputs: C++ matrix-vector kernel; it keeps {_row_major_bytes(model) / 2**20:,.0f} "
                         "MiB of row-major weights beside the packed ones (--no-cpu-gemv to save them)")

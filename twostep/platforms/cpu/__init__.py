@@ -1,5 +1,6 @@
 """The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
-linears with a matrix-vector kernel for 1-3 rows (linear.py), quantized weights read packed
+linears with a matrix-vector kernel for 1-3 rows (linear.py), a float32 model's bf16-valued weights
+kept in bf16 (bf16_weights.py), quantized weights read packed
 (quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
 as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py), and a
 decode step's layers composed of those in one C++ call (kernels/decode_step.cpp). Each only where its
@@ -12,6 +13,7 @@ import torch
 
 from twostep import kernels
 from twostep.config.engine import CpuOptions
+from twostep.platforms.cpu.bf16_weights import Bf16WeightsLinearMethod
 from twostep.platforms.cpu.elementwise import elementwise_op
 from twostep.platforms.cpu.huge_pages import HugePageArena, give_back_freed_memory, thp_setting
 from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
@@ -35,12 +37,19 @@ class CpuPlatform(Platform):
         matmuls fall back to a scalar path). See docs/architecture.md for the measurement."""
         return torch.bfloat16 if has_native_bf16() else torch.float32
 
-    def linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | None:
+    def linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | Bf16WeightsLinearMethod | None:
         if dtype not in self._linear_methods:
-            usable = self.options.prepack_weights and can_prepack(dtype, self.device)
-            self._linear_methods[dtype] = PackedLinearMethod(
-                kernels.linear_bf16() if self.options.gemv else None, self.arena) if usable else None
+            self._linear_methods[dtype] = self._make_linear_method(dtype)
         return self._linear_methods[dtype]
+
+    def _make_linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | Bf16WeightsLinearMethod | None:
+        kernel = kernels.linear_bf16() if self.options.gemv else None
+        if dtype == torch.float32:       # bf16 weights kept in bf16 (bf16_weights.py)
+            usable = kernel is not None and kernel.has_float32_path()
+            return Bf16WeightsLinearMethod(kernel, self.arena) if usable else None
+        if not (self.options.prepack_weights and can_prepack(dtype, self.device)):
+            return None
+        return PackedLinearMethod(kernel if kernel is not None and kernel.has_bf16_dot() else None, self.arena)
 
     def quantized_linear_method(self) -> QuantizedLinearMethod | None:
         kernel = kernels.quant_linear()
