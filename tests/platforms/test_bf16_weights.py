@@ -165,7 +165,18 @@ def test_fused_decode_stack_runs_bf16_weights(bf16_checkpoint):
     with_stack = engine(bf16_checkpoint, True)
     if with_stack.model.fused_decode is None:
         pytest.skip("the one-call decode stack is not built here")
+    stack = with_stack.model.fused_decode
+    assert stack.max_rows == bf16_weights.GEMV_MAX_ROWS      # every linear in bf16: the kernel's rows
+    taken = []
+
+    def counted(*args):
+        out = stack(*args)
+        taken.append(out is not None)
+        return out
+
+    with_stack.model.fused_decode = counted
     prompts = random_prompts([9, 21], seed=5)
     layers = engine(bf16_checkpoint, True)
     layers.model.fused_decode = None
     assert greedy(with_stack, prompts, max_tokens=24) == greedy(layers, prompts, max_tokens=24)
+    assert sum(taken) >= 20                                   # the decode steps ran in the stack

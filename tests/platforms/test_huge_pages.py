@@ -74,7 +74,8 @@ def test_the_engine_streams_its_weights_from_huge_page_memory(tiny_model_dir, dt
 
     if quantization and kernels.quant_linear() is None:
         pytest.skip("the quantized kernel needs g++/ninja")
-    if not quantization and (kernels.linear_bf16() is None or not can_prepack(torch.bfloat16, torch.device("cpu"))):
+    gemv = kernels.linear_bf16()
+    if not quantization and (gemv is None or not gemv.has_bf16_dot() or not can_prepack(torch.bfloat16, torch.device("cpu"))):
         pytest.skip("the bf16 matrix-vector kernel needs g++/ninja and an AVX512-BF16 CPU")
     folder = tiny_model_dir("qwen2")                 # tied embeddings
     engines = [LLMEngine(EngineConfig(model=str(folder), dtype=dtype, quantization=quantization,
@@ -109,7 +110,8 @@ def test_a_second_model_on_the_platform_logs_its_own_bytes(tiny_model_dir, caplo
     from twostep import kernels
     from twostep.platforms.cpu.linear import can_prepack
 
-    if kernels.linear_bf16() is None or not can_prepack(torch.bfloat16, torch.device("cpu")):
+    gemv = kernels.linear_bf16()
+    if gemv is None or not gemv.has_bf16_dot() or not can_prepack(torch.bfloat16, torch.device("cpu")):
         pytest.skip("the bf16 matrix-vector kernel needs g++/ninja and an AVX512-BF16 CPU")
     folder = str(tiny_model_dir("qwen2"))
     spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": 2}

@@ -45,7 +45,9 @@ class CpuPlatform(Platform):
     def _make_linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | Bf16WeightsLinearMethod | None:
         kernel = kernels.linear_bf16() if self.options.gemv else None
         if dtype == torch.float32:       # bf16 weights kept in bf16 (bf16_weights.py)
-            usable = kernel is not None and kernel.has_float32_path()
+            # on the AVX2 path only: the plain C++ one (for tests) ran 1.7x slower than F.linear on
+            # the float32 weights at one row on an x86-64 baseline build
+            usable = kernel is not None and kernel.has_float32_path() and kernel.float32_path() == "AVX2"
             return Bf16WeightsLinearMethod(kernel, self.arena) if usable else None
         if not (self.options.prepack_weights and can_prepack(dtype, self.device)):
             return None

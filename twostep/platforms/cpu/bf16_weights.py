@@ -13,7 +13,9 @@ embedding shares the narrowed table (layers/embedding.py widens the rows it look
 Measured on an AVX2-only EPYC (Zen 1, 2 cores; benchmarks/bench_linear.py --dtype float32 and the
 Qwen2.5-0.5B-shape linears, medians of 7 interleaved rounds): 1 row 1.75x F.linear on the float32
 weights; 16 / 32 / 64 / 128 rows 2.26x / 1.52x / 1.14x / 1.14x (MKL's float32 product is slow at
-few rows here); 512 rows through the tiles 0.91-0.94x F.linear (the widening).
+few rows here); 512 rows through the tiles 0.91-0.94x F.linear (the widening). The kernel stops at
+64 rows, short of the measured crossover: a margin for CPUs whose float32 GEMM is faster (AVX-512).
+The platform takes this method on the kernel's AVX2 path only (platforms/cpu/__init__.py).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class Bf16WeightsLinearMethod:
         weight = layer.weight.detach()
         if not holds_bf16_values(weight):
             return
-        narrowed = weight.to(torch.bfloat16)
+        narrowed = weight.to(torch.bfloat16).contiguous()     # the kernel reads it row-major
         layer.weight.data = narrowed if self.arena is None else self.arena.place(narrowed)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
