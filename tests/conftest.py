@@ -143,6 +143,17 @@ def smollm_path() -> Path:
     return Path(default_model_path())
 
 
+class CountingKernel:
+    """A linear_bf16 kernel module that counts its calls (is the kernel really taken?)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.calls = kernel, 0
+
+    def linear_bf16(self, *args):
+        self.calls += 1
+        return self.kernel.linear_bf16(*args)
+
+
 # ---- prompts, transformers' greedy output and engines over a model folder ----------------------
 
 PROMPT_LENGTHS = [1, 3, 7, 16, 17, 33, 50, 64]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import hf_greedy, load_hf, make_tiny_model, random_prompts, run_all
+from conftest import CountingKernel, hf_greedy, load_hf, make_tiny_model, random_prompts, run_all
 from twostep import EngineConfig, LLMEngine, SamplingParams
 from twostep.layers.linear import Linear
 from twostep.platforms.cpu import bf16_weights
@@ -25,8 +25,7 @@ def kernel_or_skip():
 
 def float32_math(x, w, b=None):
     """float64 sums of the float32 input and the widened weights: what float32 math approximates."""
-    y = x.double() @ w.double().T + (0 if b is None else b.double())
-    return y
+    return x.double() @ w.double().T + (0 if b is None else b.double())
 
 
 def assert_float32_close(got, x, w, b=None):
@@ -85,15 +84,6 @@ def bound_linear(weight, bias=None):
         layer.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
     layer.set_method(Bf16WeightsLinearMethod(kernel_or_skip()))
     return layer
-
-
-class CountingKernel:
-    def __init__(self, kernel) -> None:
-        self.kernel, self.calls = kernel, 0
-
-    def linear_bf16(self, *args):
-        self.calls += 1
-        return self.kernel.linear_bf16(*args)
 
 
 def test_method_narrows_bf16_valued_weights_and_routes_rows(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_prompts
+from conftest import CountingKernel, random_prompts
 from twostep import EngineConfig, LLMEngine, SamplingParams
 from twostep.layers.linear import Linear
 from twostep.platforms.cpu.linear import GEMV_MAX_ROWS, PackedLinearMethod, can_prepack, packed_linear
@@ -76,15 +76,6 @@ def test_packed_linear_routes_few_rows_to_the_kernel():
         x = torch.randn(rows, 96).to(torch.bfloat16)
         want = kernel.linear_bf16(x, w, None) if rows <= GEMV_MAX_ROWS else plain(x)
         assert torch.equal(layer(x), want)
-
-
-class CountingKernel:
-    def __init__(self, kernel) -> None:
-        self.kernel, self.calls = kernel, 0
-
-    def linear_bf16(self, *args):
-        self.calls += 1
-        return self.kernel.linear_bf16(*args)
 
 
 def decode_logits(folder, gemv: bool, dtype="bfloat16"):
