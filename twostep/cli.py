@@ -58,9 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "that hold only bf16 values stay in bf16, half the bytes (default: on)")
     p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
                    choices=INT8_ACTIVATION_MODES,
-                   help="quantized weights on CPU (from 1 row with VNNI, else from 8): activations rounded to "
+                   help="quantized weights on CPU: activations rounded to "
                         "int8 per block of 32 as llama.cpp rounds them, for its speed at its precision. decode "
-                        "(default): in decode steps, one user's too; all (the flag alone): prompts too; off: "
+                        "(default): in decode steps, one user's too, any dtype; all (the flag alone): prompts too; off: "
                         "never, the 16-bit activations (the float product within 2**-16)")
     p.add_argument("--cpu-huge-pages", action=argparse.BooleanOptionalAction, default=d.cpu_huge_pages,
                    help="weights a decode step streams copied at load into memory advised for transparent huge "

@@ -73,7 +73,7 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, d
 def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
     engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
     method = engine.model.model.layers[0].mlp.down_proj.method
-    int8 = method.int8_mode == "all" or (method.int8_mode == "decode" and dtype == "bfloat16")
+    int8 = method.int8_mode != "off"
     int8_takes_all = int8 and {"int8": 8, "int4": 4}[quantization] in method.int8_bits
     # the quantized matrix-vector kernel's rows; any where the int8 product takes 8 rows and more
     assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else 8)
@@ -91,11 +91,11 @@ def int8_or_skip():
 
 
 @pytest.mark.parametrize("dtype,mode,int8", [("float32", "all", True), ("bfloat16", "all", True),
-                                              ("bfloat16", "decode", True), ("float32", "decode", False)])
+                                              ("bfloat16", "decode", True), ("float32", "decode", True),
+                                              ("float32", "off", False)])
 def test_eight_decodes_with_int8_activations_as_the_layers(tiny_model_dir, dtype, mode, int8):
-    """--cpu-int8-activations all, and decode (the default) with 16-bit activations: eight decode
-    rows take the int8 product in the stack as in the layers (off: the 16-bit one, so other
-    logprobs); decode leaves float32 models at full precision."""
+    """--cpu-int8-activations all, and decode (the default) in any dtype: eight decode rows take the
+    int8 product in the stack as in the layers (off: the 16-bit one, so other logprobs)."""
     int8_or_skip()
     kw = dict(dtype=dtype, quantization="int4", cpu_int8_activations=mode, max_num_batched_tokens=256)
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(8)]
@@ -150,7 +150,7 @@ def test_a_prompts_last_token_beside_decodes_is_not_a_decode_batch(tiny_model_di
 
 
 def test_a_decode_row_does_not_depend_on_its_batch(tiny_model_dir):
-    """The default (decode) where the int8 product has its small-row kernel (VNNI): each sequence
+    """The default (decode) where the int8 product has its small-row kernel: each sequence
     decodes the same tokens and logprobs alone as among twelve (one-token prompts, so every step
     after the first is a decode batch: 1 row alone, 12 together), in the stack and in the layers;
     with --cpu-int8-activations off alone it decodes other ones (int8 really ran at 1 row)."""
@@ -158,7 +158,7 @@ def test_a_decode_row_does_not_depend_on_its_batch(tiny_model_dir):
     from twostep import kernels
 
     if kernels.quant_linear().int8_min_rows() != 1:
-        pytest.skip("the int8 product's small-row kernel needs VNNI")
+        pytest.skip("the int8 product's small-row kernel needs the panel layout (a SIMD build)")
     kw = dict(dtype="bfloat16", quantization="int4", max_num_batched_tokens=256)
     prompts = [[5 + i] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

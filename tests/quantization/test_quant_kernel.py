@@ -108,7 +108,7 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
 def test_int8_activations_product(qtype, n, k, rows):
-    """--cpu-int8-activations: from part_int8_rows (1 for the panel layout with VNNI, else 8; fewer
+    """--cpu-int8-activations: from part_int8_rows (1 for the panel layout, else 8; fewer
     rows keep the int16 product), exactly the product of the int8-rounded activations
     (4 to 6-bit codes, and 8-bit ones where the build has VNNI's u8 x s8 product; elsewhere they
     keep the int16 product), and near the float one."""
@@ -141,16 +141,16 @@ def test_int8_activations_product(qtype, n, k, rows):
 
 
 def test_where_int8_activations_apply():
-    """off: never; all: from the kernel's int8_min_rows (1 where VNNI's small-row product is, else
-    8: below, the int16 passes are faster); decode (the engine's default): rows of 16-bit activations
-    in a decode batch only (the model runner's step_kind.decode_batch), one user's included, float32
-    ones never. Below int8_min_rows the int16 matrix-vector product bit for bit in every mode; a
-    kernel without the int8 product is off whatever is asked."""
+    """off: never; all: from the kernel's int8_min_rows (1 where the small-row product is: the SIMD
+    builds, with their panel layout); decode (the engine's default): rows in a decode batch only (the
+    model runner's step_kind.decode_batch), one user's included, of any dtype. Below int8_min_rows
+    the int16 matrix-vector product bit for bit in every mode; a kernel without the int8 product is
+    off whatever is asked."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
     first = kernel.int8_min_rows()
-    assert first == (1 if "vnni" in kernel.path() else 8)
+    assert first == (1 if kernel.has_panels() else 8)
     raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
     plain = QuantizedLinearMethod(kernel)
     weight = plain.prepare(QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),)))   # the panel layout
@@ -167,7 +167,8 @@ def test_where_int8_activations_apply():
                 # 7 rows: each row's int8 sums as in the 8-row product, where the kernel takes 7
                 assert torch.equal(method.matmul(weight, x[:7]), int8[:7] if on and first <= 7 else seven)
             float32 = QuantizedLinearMethod(kernel, "decode").matmul(weight, x.float())
-            assert torch.equal(float32, plain.matmul(weight, x.float()))
+            # float32 rows too (what `auto` picks on CPUs without native bf16)
+            assert torch.equal(float32, QuantizedLinearMethod(kernel, "all" if batch else "off").matmul(weight, x.float()))
     # a row-layout part (44 rows: no whole panels) has no small-row int8 kernel: 7 rows keep int16
     rows44 = QuantizedWeight((pack_gguf(random_blocks(QType.Q4_0, 44, 256, seed=2), QType.Q4_0, 44, 256),))
     assert not plain.prepare(rows44).parts[0].panels
@@ -314,7 +315,7 @@ def test_panel_layout_with_int8_activations():
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES + ["int8", "int4"])
 def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype):
-    """The int8 product's paths (VNNI's small-row kernel below 8 rows, the panel tiles decoded in
+    """The int8 product's paths (the small-row kernel below 8 rows, the panel tiles decoded in
     registers at 8, the unpacked panels from 9) give each row the same bits whatever the number of
     rows beside it, for every format and both output dtypes: a decode row's logits do not depend on
     its batch. And near the int16 product (int8's rounding)."""

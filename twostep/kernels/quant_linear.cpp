@@ -16,9 +16,10 @@
 //   on AVX-512 8 rows a tile and two panels a 512-bit register; AVX2's vpmaddubsw with int16
 //   sums). On an AVX2 EPYC: 1.5-2x MKL's float32 GEMM on the dequantized weights at 512 rows,
 //   2-3.5x gemv's passes at 8-64 rows; on a Zen 4 (VNNI): 1.2-1.3x the 16-bit passes at 8 rows,
-//   2.0-2.1x at 32, 1.25x the bf16 tiles (below) at 512. With VNNI, below 8 rows a small-row kernel
-//   (one user's decode: 1.38x gemv's rate at 1 row) with the same sums bit for bit, the zero point
-//   taken off each block's integer sums.
+//   2.0-2.1x at 32, 1.25x the bf16 tiles (below) at 512. Below 8 rows (the panel layout) a
+//   small-row kernel (one user's decode: 1.38x gemv's rate at 1 row with VNNI on a Zen 4, 1.5x with
+//   AVX2's vpmaddubsw on a Zen 1) with the same sums bit for bit, the zero point taken off each
+//   block's integer sums.
 // gemm_bf16 (AVX512-BF16, or AMX, through torch's oneDNN brgemm): bf16 rows against the panel
 //   layout, the prefill product: a thread dequantizes 64 weight rows at a time into the pair layout
 //   brgemm multiplies (in its L2) and multiplies every row of x against them; at the rate of oneDNN
@@ -1075,7 +1076,7 @@ inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activatio
 }
 
 
-// ---- the int8 product for a few rows (1 to kRows - 1, VNNI): one user's decode ----
+// ---- the int8 product for a few rows (1 to kSmallRows - 1): one user's decode ----
 //
 // The same sums as panel_tile (bit for bit: the int32 sum of a block or half block, then per row one
 // conversion and one FMA with the scales times the row's block scale, and the offsets per group at
@@ -1131,7 +1132,7 @@ std::vector<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t 
   return out;
 }
 
-// gemm_int8 takes gemv_int8_panels below this many rows (where VNNI is)
+// gemm_int8 takes gemv_int8_panels below this many rows
 constexpr int64_t kSmallRows = 8;
 
 // M rows from m0 against one panel, into result[m][j]
@@ -1159,14 +1160,37 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
       __m256i s0[M][C], s1[M][C];
       for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) s0[m][c] = s1[m][c] = _mm256_setzero_si256();
+      if constexpr (kDpbusd) {
 #pragma GCC unroll 4
-      for (int i = 0; i < kPairs; ++i) {
-        __m256i q0, q1;
-        pair_quads<BITS>(block, h * kPairs + i, q0, q1);
-        for (int m = 0; m < M; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
-          s0[m][i % C] = dot8(s0[m][i % C], q0, xv);
-          s1[m][i % C] = dot8(s1[m][i % C], q1, xv);
+        for (int i = 0; i < kPairs; ++i) {
+          __m256i q0, q1;
+          pair_quads<BITS>(block, h * kPairs + i, q0, q1);
+          for (int m = 0; m < M; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+            s0[m][i % C] = dot8(s0[m][i % C], q0, xv);
+            s1[m][i % C] = dot8(s1[m][i % C], q1, xv);
+          }
+        }
+      } else {
+        // AVX2: vpmaddubsw's int16 pair sums, F pairs of steps added in int16 (2 F x max code x
+        // 128 <= 32767, as panel_tile's) and widened by vpmaddwd once: the same int32 sums
+        constexpr int F = BITS == 6 ? 2 : 4;
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i t0[M], t1[M];
+#pragma GCC unroll 4
+        for (int i = 0; i < kPairs; ++i) {
+          __m256i q0, q1;
+          pair_quads<BITS>(block, h * kPairs + i, q0, q1);
+          for (int m = 0; m < M; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+            const __m256i p0 = _mm256_maddubs_epi16(q0, xv), p1 = _mm256_maddubs_epi16(q1, xv);
+            t0[m] = i % F == 0 ? p0 : _mm256_add_epi16(t0[m], p0);
+            t1[m] = i % F == 0 ? p1 : _mm256_add_epi16(t1[m], p1);
+            if (i % F == F - 1 || i == kPairs - 1) {
+              s0[m][0] = _mm256_add_epi32(s0[m][0], _mm256_madd_epi16(t0[m], ones));
+              s1[m][0] = _mm256_add_epi32(s1[m][0], _mm256_madd_epi16(t1[m], ones));
+            }
+          }
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (G16 ? 2 * b + h : g) * kPanel)));
@@ -1217,9 +1241,7 @@ template <int BITS, bool G16, typename out_t>
 void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
   const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row();
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  if constexpr (kDpbusd) {
-    if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
-  }
+  if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
   const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
   const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
@@ -1800,8 +1822,8 @@ std::vector<int64_t> int8_bits() {
   return {4, 5, 6};
 }
 bool has_int8() { return !int8_bits().empty(); }
-// the fewest rows worth the int8 product: any with VNNI's small-row kernel, else 8 (below, the passes win)
-int64_t int8_min_rows() { return kDpbusd && kPanels ? 1 : 8; }
+// the fewest rows worth the int8 product: any with the small-row kernel (the panel layout), else 8
+int64_t int8_min_rows() { return kPanels ? 1 : 8; }
 bool has_panels() { return kPanels; }
 bool wide_pass() { return kWidePass; }
 bool has_bf16_gemm() { return brgemm_bf16_runs(); }

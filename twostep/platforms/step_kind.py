@@ -8,9 +8,8 @@ only the step knows which.
 One fact so far: a decode batch, a step in which every row is one sequence's next generated token
 (no prompt rows, not even a prompt's last token alone; no drafts to verify). With
 --cpu-int8-activations decode (the default), the quantized products of such steps (the lm_head's
-included) round 16-bit activations to int8 (from 1 row with VNNI, else 8: platforms/cpu/
-quant_linear.py); the decode
-stack (models/fused_decode.py) takes only such steps.
+included) round their activations to int8 (platforms/cpu/quant_linear.py); the decode stack
+(models/fused_decode.py) takes only such steps.
 """
 from __future__ import annotations
 

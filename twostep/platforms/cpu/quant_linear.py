@@ -18,21 +18,21 @@ it looks up.
 
 With int8 activations, inputs of the kernel's int8_min_rows() rows or more take its int8 product
 instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block
-of 32 to int8 as llama.cpp quantizes them for all its products. With VNNI that is any number of
-rows (below 8 a small-row kernel: one user's decode at 1.38x the int16 passes' rate on a Zen 4
-core, Q4_0); on AVX2 alone from 8 rows (below, its int16 passes win). On an AVX2 EPYC it is 1.5-2x
-MKL's float32 GEMM at 512 rows and 2-3.5x the matrix-vector passes at 8-64 rows; on a Zen 4 with
-VNNI 2.0-2.1x the passes at 32 rows (benchmarks/RESULTS.md). Each row's sums are the same bits
-whatever the number of rows beside it. Its rounding (a step of max|x| / 127 per block) is noise
+of 32 to int8 as llama.cpp quantizes them for all its products. That is any number of rows where
+the weight is in the panel layout (below 8 a small-row kernel: one user's decode at 1.38x the
+int16 passes' rate on a Zen 4 core with VNNI, Q4_0; 1.5x on an AVX2-only Zen 1, 4 to 6-bit codes),
+else from 8. On an AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the
+matrix-vector passes at 8-64 rows; on a Zen 4 with VNNI 2.0-2.1x the passes at 32 rows
+(benchmarks/RESULTS.md). Each row's sums are the same bits whatever the number of rows beside it. Its rounding (a step of max|x| / 127 per block) is noise
 enough to flip a close top token: with it in the prompt's rows the default SmolLM2 file's answer to
 "What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
 "The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
-  decode (the default): 16-bit activations (bf16, fp16) in the steps of a decode batch
-    (platforms/step_kind.py: every row one sequence's next generated token), one user's included,
-    the lm_head's logits too: decode at llama.cpp's precision, a row's logits in a decode batch the
-    same whatever the batch (VNNI, the panel layout); a prompt's forward (its last token too), speculative
-    verification and float32 models (chosen for exactness) keep the 16-bit (float32: int16)
-    activations;
+  decode (the default): the steps of a decode batch (platforms/step_kind.py: every row one
+    sequence's next generated token), one user's included, the lm_head's logits too, whatever the
+    activations' dtype (float32 is what `auto` picks on CPUs without native bf16, where llama.cpp's
+    speed matters as much): decode at llama.cpp's precision, a row's logits in a decode batch the
+    same whatever the batch (the panel layout); a prompt's forward (its last token too) and
+    speculative verification keep the int16 activations;
   all: every input from int8_min_rows() rows, prompts and float32 too (the fastest prefill);
   off: never.
 """
@@ -50,7 +50,7 @@ from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
-INT8_TILE_ROWS = 8         # the int8 product's rows without its small-row kernel (AVX2, the row layout)
+INT8_TILE_ROWS = 8         # the int8 product's rows without its small-row kernel (the row layout)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
 # shape linears, bf16, Zen 4: at 64 rows the passes are 1.02-1.13x the tiles for 4 and 8 bits, 0.93x
@@ -76,7 +76,7 @@ class QuantizedLinearMethod:
         self.kernel, self.arena = kernel, arena
         self.int8_mode = int8_activations if kernel.has_int8() else "off"
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
-        self.int8_rows = kernel.int8_min_rows()   # 1 where VNNI's small-row kernel is, else 8
+        self.int8_rows = kernel.int8_min_rows()   # 1 where the small-row kernel is (the panel layout), else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
         where = {"off": "", "decode": f", int8 activations in bf16/fp16 decode batches from {self.int8_rows} rows",
@@ -87,7 +87,7 @@ class QuantizedLinearMethod:
         """Whether x's rows take the int8 product (for the code widths it takes)."""
         if self.int8_mode == "off" or x.shape[0] < self.int8_rows:
             return False
-        return self.int8_mode == "all" or (x.element_size() == 2 and in_decode_batch())
+        return self.int8_mode == "all" or in_decode_batch()
 
     def part_int8_rows(self, part: PackedWeight) -> int:
         """From how many rows a part takes the int8 product (0: never): the small-row kernel reads
@@ -136,15 +136,15 @@ class QuantizedLinearMethod:
         return y
 
     def fused(self, layer, kernel, dtype: torch.dtype):
-        """One quant_gemv per part into its columns, and where int8 activations apply to `dtype`
-        in a decode batch (the decode stack's steps are decode batches) quant_gemm_int8 from
+        """One quant_gemv per part into its columns, and where int8 activations apply in a
+        decode batch (the decode stack's steps are decode batches; any dtype) quant_gemm_int8 from
         part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
         number where every part takes the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
         if self.kernel is not kernels.quant_linear():
             return None
-        int8 = self.int8_mode == "all" or (self.int8_mode == "decode" and dtype.itemsize == 2)
+        int8 = self.int8_mode != "off"
         int8_bits = self.int8_bits if int8 else frozenset()
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
