@@ -91,8 +91,7 @@ def int8_or_skip():
 
 
 @pytest.mark.parametrize("dtype,mode,int8", [("float32", "all", True), ("bfloat16", "all", True),
-                                              ("bfloat16", "decode", True), ("float32", "decode", True),
-                                              ("float32", "off", False)])
+                                              ("bfloat16", "decode", True), ("float32", "decode", True)])
 def test_eight_decodes_with_int8_activations_as_the_layers(tiny_model_dir, dtype, mode, int8):
     """--cpu-int8-activations all, and decode (the default) in any dtype: eight decode rows take the
     int8 product in the stack as in the layers (off: the 16-bit one, so other logprobs)."""

@@ -60,8 +60,9 @@ def test_a_quantized_decode_step_shows_its_kernels_in_the_profiler():
     with torch.profiler.profile() as prof:
         engine.step()
     names = {e.key for e in prof.key_averages()}
-    assert {"twostep::quant_gemv", "twostep::paged_decode_attention", "twostep::add_rms_norm",
-            "twostep::quant_dequantize_rows"} <= names
+    assert {"twostep::paged_decode_attention", "twostep::add_rms_norm", "twostep::quant_dequantize_rows"} <= names
+    # the linears' quantized product: int16 or (a decode batch, by default) int8 activations
+    assert names & {"twostep::quant_gemv", "twostep::quant_gemm_int8"}
     assert not names & {"aten::linear", "aten::mm", "aten::addmm"}     # no weight dequantized to a matmul
 
 

@@ -150,7 +150,7 @@ def test_where_int8_activations_apply():
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
     first = kernel.int8_min_rows()
-    assert first == (1 if kernel.has_panels() else 8)
+    assert first == 1             # the small-row kernel, wherever the int8 product is
     raw = random_blocks(QType.Q4_0, 40, 256, seed=1)
     plain = QuantizedLinearMethod(kernel)
     weight = plain.prepare(QuantizedWeight((pack_gguf(raw, QType.Q4_0, 40, 256),)))   # the panel layout
@@ -165,7 +165,7 @@ def test_where_int8_activations_apply():
                 method = QuantizedLinearMethod(kernel, mode)
                 assert torch.equal(method.matmul(weight, x), int8 if on else int16), (mode, batch)
                 # 7 rows: each row's int8 sums as in the 8-row product, where the kernel takes 7
-                assert torch.equal(method.matmul(weight, x[:7]), int8[:7] if on and first <= 7 else seven)
+                assert torch.equal(method.matmul(weight, x[:7]), int8[:7] if on else seven)
             float32 = QuantizedLinearMethod(kernel, "decode").matmul(weight, x.float())
             # float32 rows too (what `auto` picks on CPUs without native bf16)
             assert torch.equal(float32, QuantizedLinearMethod(kernel, "all" if batch else "off").matmul(weight, x.float()))
@@ -311,6 +311,35 @@ def test_panel_layout_with_int8_activations():
         weight = QuantizedWeight((pack_gguf(random_blocks(qtype, 40, 512, seed=2), qtype, 40, 512),))
         x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))
         assert torch.equal(method.matmul(method.prepare(weight), x), method.matmul(weight, x))
+
+
+# where each format's codes start in its GGUF block (every byte after: codes; before: scales)
+CODE_BYTES = {QType.Q4_0: slice(2, None), QType.Q5_0: slice(2, None), QType.Q4_K: slice(16, None),
+              QType.Q5_K: slice(16, None), QType.Q6_K: slice(0, 192)}
+
+
+@pytest.mark.parametrize("qtype", list(CODE_BYTES))
+def test_the_int8_product_at_its_largest_sums(qtype):
+    """Every code at its largest and every activation at +-127 (a constant row): the int16 sums of
+    vpmaddubsw (AVX2) reach their bound (2 x steps x max code x 127), so a path that adds one step
+    too many in int16 wraps; each path (1-7 rows the small-row kernel, 8 a tile, 11 the unpacked
+    panels) gives the exact product of the int8-rounded activations."""
+    kernel = panel_kernel()
+    if not kernel.has_int8():
+        pytest.skip("the int8 product needs AVX2")
+    n, k = 16, 512
+    raw = random_blocks(qtype, n, k, seed=11)
+    raw.reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)[:, CODE_BYTES[qtype]] = 0xFF
+    weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
+    method = QuantizedLinearMethod(kernel, int8_activations="all")
+    panels = method.prepare(weight)
+    assert panels.parts[0].panels
+    signs = torch.tensor([1.0, -1.0, 0.5, -3.0, 2.0, -0.25, 1.0, -1.0, 4.0, -2.0, 1.0])
+    x = signs[:, None].expand(11, k).contiguous()           # each row one value: codes +-127
+    exact = F.linear(int8_activations(x).double(), weight.dequantize().double()).float()
+    for rows in (1, 2, 3, 4, 5, 7, 8, 11):
+        got = method.matmul(panels, x[:rows])
+        torch.testing.assert_close(got, exact[:rows], rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES + ["int8", "int4"])

@@ -67,7 +67,7 @@ class EngineConfig:
     attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
     cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
     cpu_gemv: bool = True                  # CpuOptions.gemv
-    # quantized weights on CPU (from 1 row with VNNI, else 8): int8 activations as llama.cpp rounds them
+    # quantized weights on CPU (from 1 row; a row-layout part from 8): int8 activations as llama.cpp rounds them
     # (faster, noisier): "decode" in decode batches, "all" also prompts, "off"; True / False: all / off
     cpu_int8_activations: str | bool = "decode"
     cpu_huge_pages: bool = True            # decode's weights in transparent huge pages (2 MiB), where the OS gives them

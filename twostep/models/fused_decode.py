@@ -10,7 +10,7 @@ and without q/k norms and biases, for quantized, bf16 and float32 weights).
 It takes a decode batch (platforms/step_kind.py: every row one sequence's next generated token; not
 a prompt's last token, no drafts to verify), at most `max_rows` rows (the fewest any linear's
 matrix-vector path takes; any number where every quantized part takes the int8 product, which a
-decode batch uses from 1 row with VNNI, else 8), through the attention backend
+decode batch uses from 1 row in the panel layout), through the attention backend
 it was built for (the paged decode kernel, an unquantized cache) and on one rank. Any other step runs
 the layers one by one: one model, two ways of driving it.
 """

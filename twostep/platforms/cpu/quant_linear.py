@@ -79,7 +79,7 @@ class QuantizedLinearMethod:
         self.int8_rows = kernel.int8_min_rows()   # 1 where the small-row kernel is (the panel layout), else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
-        where = {"off": "", "decode": f", int8 activations in bf16/fp16 decode batches from {self.int8_rows} rows",
+        where = {"off": "", "decode": f", int8 activations in decode batches from {self.int8_rows} rows",
                  "all": f", int8 activations from {self.int8_rows} rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
 
