@@ -1081,7 +1081,7 @@ inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activatio
 // The same sums as panel_tile (bit for bit: the int32 sum of a block or half block, then per row one
 // conversion and one FMA with the scales times the row's block scale, and the offsets per group at
 // the end), so a decode row's logits do not depend on how many other rows share its step. What
-// differs is how the codes reach vpdpbusd: a step pair (two 16-byte chunks, codes 4s .. 4s + 7 of
+// differs is how the codes reach vpdpbusd (AVX2: vpmaddubsw, then vpmaddwd): a step pair (two 16-byte chunks, codes 4s .. 4s + 7 of
 // the panel's eight rows) is decoded in 256-bit vectors as the two chunks lie, rows 0-3 of both
 // steps in one vector and rows 4-7 in the other, against a copy of the activations laid out to
 // match (the step pair's two quads, each repeated four times), and the two steps' halves are added
