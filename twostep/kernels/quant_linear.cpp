@@ -1160,33 +1160,25 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
       __m256i s0[M][C], s1[M][C];
       for (int m = 0; m < M; ++m)
         for (int c = 0; c < C; ++c) s0[m][c] = s1[m][c] = _mm256_setzero_si256();
-      if constexpr (kDpbusd) {
+      // AVX2: vpmaddubsw's int16 pair sums, F pairs of steps added in int16 (2 F x max code x
+      // 128 <= 32767, as panel_tile's) and widened by vpmaddwd once: the same int32 sums as VNNI's
+      constexpr int F = BITS == 6 ? 2 : 4;
+      [[maybe_unused]] __m256i t0[M], t1[M];   // AVX2's int16 sums
 #pragma GCC unroll 4
-        for (int i = 0; i < kPairs; ++i) {
-          __m256i q0, q1;
-          pair_quads<BITS>(block, h * kPairs + i, q0, q1);
-          for (int m = 0; m < M; ++m) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+      for (int i = 0; i < kPairs; ++i) {
+        __m256i q0, q1;
+        pair_quads<BITS>(block, h * kPairs + i, q0, q1);
+        for (int m = 0; m < M; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+          if constexpr (kDpbusd) {
             s0[m][i % C] = dot8(s0[m][i % C], q0, xv);
             s1[m][i % C] = dot8(s1[m][i % C], q1, xv);
-          }
-        }
-      } else {
-        // AVX2: vpmaddubsw's int16 pair sums, F pairs of steps added in int16 (2 F x max code x
-        // 128 <= 32767, as panel_tile's) and widened by vpmaddwd once: the same int32 sums
-        constexpr int F = BITS == 6 ? 2 : 4;
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i t0[M], t1[M];
-#pragma GCC unroll 4
-        for (int i = 0; i < kPairs; ++i) {
-          __m256i q0, q1;
-          pair_quads<BITS>(block, h * kPairs + i, q0, q1);
-          for (int m = 0; m < M; ++m) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
+          } else {
             const __m256i p0 = _mm256_maddubs_epi16(q0, xv), p1 = _mm256_maddubs_epi16(q1, xv);
             t0[m] = i % F == 0 ? p0 : _mm256_add_epi16(t0[m], p0);
             t1[m] = i % F == 0 ? p1 : _mm256_add_epi16(t1[m], p1);
             if (i % F == F - 1 || i == kPairs - 1) {
+              const __m256i ones = _mm256_set1_epi16(1);
               s0[m][0] = _mm256_add_epi32(s0[m][0], _mm256_madd_epi16(t0[m], ones));
               s1[m][0] = _mm256_add_epi32(s1[m][0], _mm256_madd_epi16(t1[m], ones));
             }
