@@ -1081,20 +1081,27 @@ inline void panel_tile_rows(int64_t rows, const Source& src, const Int8Activatio
 // The same sums as panel_tile (bit for bit: the int32 sum of a block or half block, then per row one
 // conversion and one FMA with the scales times the row's block scale, and the offsets per group at
 // the end), so a decode row's logits do not depend on how many other rows share its step. What
-// differs is how the codes reach vpdpbusd (AVX2: vpmaddubsw, then vpmaddwd): a step pair (two 16-byte chunks, codes 4s .. 4s + 7 of
-// the panel's eight rows) is decoded in 256-bit vectors as the two chunks lie, rows 0-3 of both
-// steps in one vector and rows 4-7 in the other, against a copy of the activations laid out to
-// match (the step pair's two quads, each repeated four times), and the two steps' halves are added
-// once per block. Per pair of steps, four instructions of nibble decoding and two products, where
-// panel_quad's 128-bit decoding takes seven a step and one chain a row waits on every product:
-// in cache, Qwen2.5-0.5B-shape Q4_0 linears, Zen 4, one thread: 1.45x the int16 matrix-vector
-// passes' rate (43 against 30 GB/s), 2x the panel tile's.
+// differs is how the codes reach the products. A step pair (two 16-byte chunks, codes 4s .. 4s + 7
+// of the panel's eight rows) is decoded in 256-bit vectors as the two chunks lie (pair_halves), against a
+// copy of the activations laid out to match:
+//  - VNNI: the halves interleaved into quads, rows 0-3 of both steps in one vector and rows 4-7 in
+//    the other, each against the step pair's two quads repeated four times, and the two steps'
+//    halves added once per block. Per pair of steps, four instructions of nibble decoding and two
+//    products, where panel_quad's 128-bit decoding takes seven a step and one chain a row waits on
+//    every product: in cache, Qwen2.5-0.5B-shape Q4_0 linears, Zen 4, one thread: 1.45x the int16
+//    matrix-vector passes' rate (43 against 30 GB/s), 2x the panel tile's.
+//  - AVX2: no interleaving: vpmaddubsw multiplies each half as it is, a code pair of each row in
+//    each 16-bit lane, against its activation pair repeated eight times (a step a 128-bit lane),
+//    so the two halves' products add in int16 lanes that are the panel's rows, summed over as many
+//    step pairs as cannot overflow and then widened: the rows' int32 sums in order, with no
+//    shuffle (on Zen 1 the product is bound by micro-ops, not by its multiplies, and the two
+//    unpacks a pair and the two lane-crossing permutes a block took a fifth of them).
 
-// Step pair p's codes as unsigned bytes: lane l < 4 of q0 = row l's codes 8p .. 8p + 3 (step 2p),
-// lane l >= 4 = row l - 4's codes 8p + 4 .. 8p + 7 (step 2p + 1); q1 the same for rows 4-7.
+// Step pair p's codes as the chunks hold them: 16-bit lane j of `first` = row j's codes 4s, 4s + 1,
+// of `second` its codes 4s + 2, 4s + 3; step s = 2p in the low 128 bits, 2p + 1 in the high
+// (unsigned for 4 to 6 bits; signed for 8)
 template <int BITS>
-inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
-  __m256i first, second;     // codes 4s, 4s + 1 of each row, and 4s + 2, 4s + 3; steps 2p | 2p + 1
+inline void pair_halves(const uint8_t* block, int p, __m256i& first, __m256i& second) {
   if constexpr (BITS == 8) {
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * p + 32));
@@ -1114,6 +1121,14 @@ inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
       add_high<BITS>((2 * p) % P, first, second, high, high_mask8<BITS, __m256i>());
     }
   }
+}
+
+// Step pair p's codes as unsigned bytes: lane l < 4 of q0 = row l's codes 8p .. 8p + 3 (step 2p),
+// lane l >= 4 = row l - 4's codes 8p + 4 .. 8p + 7 (step 2p + 1); q1 the same for rows 4-7.
+template <int BITS>
+inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
+  __m256i first, second;
+  pair_halves<BITS>(block, p, first, second);
   q0 = unsigned_code<BITS>(_mm256_unpacklo_epi16(first, second));
   q1 = unsigned_code<BITS>(_mm256_unpackhi_epi16(first, second));
 }
@@ -1130,6 +1145,30 @@ std::vector<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + (4 * i + p) * 32), _mm256_permutevar8x32_epi32(q, spread[p]));
   }
   return out;
+}
+
+// The same for AVX2's products of pair_halves: per row, block and step pair p, two 32-byte vectors,
+// codes 8p, 8p + 1 eight times then 8p + 4, 8p + 5 eight times (against `first`), and 8p + 2, 8p + 3
+// then 8p + 6, 8p + 7 (against `second`)
+std::vector<int8_t> half_pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+  std::vector<int8_t> out(rows * k * 8);
+  const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5);
+  const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(2));
+  for (int64_t i = 0; i < rows * k / 8; ++i) {      // a step pair's eight codes at a time
+    int64_t eight;
+    std::memcpy(&eight, a.q.data() + 8 * i, 8);
+    const __m256i v = _mm256_set1_epi64x(eight);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + 64 * i), _mm256_shuffle_epi8(v, first));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + 64 * i + 32), _mm256_shuffle_epi8(v, second));
+  }
+  return out;
+}
+
+// The activations' copy the small-row product reads: per row and block, 128 bytes (VNNI) or 256
+constexpr int64_t kPairBytes = kDpbusd ? 128 : 256;
+std::vector<int8_t> small_row_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+  return kDpbusd ? pair_layout(a, rows, k) : half_pair_layout(a, rows, k);
 }
 
 // gemm_int8 takes gemv_int8_panels below this many rows
@@ -1149,7 +1188,7 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
   __m256 acc[M];
   for (int m = 0; m < M; ++m) {
     xd[m] = a.scale.data() + (m0 + m) * nb;
-    x[m] = pairs + (m0 + m) * nb * 128;
+    x[m] = pairs + (m0 + m) * nb * kPairBytes;
     acc[m] = _mm256_setzero_ps();
   }
   int64_t g = 0, left = per_group;          // the block's group (no division a block)
@@ -1157,41 +1196,52 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
     const uint8_t* block = qs + b * panel_block(BITS);
     prefetch_ahead(block, panel_block(BITS));
     for (int h = 0; h < kHalves; ++h) {
-      __m256i s0[M][C], s1[M][C];
-      for (int m = 0; m < M; ++m)
-        for (int c = 0; c < C; ++c) s0[m][c] = s1[m][c] = _mm256_setzero_si256();
-      // AVX2: vpmaddubsw's int16 pair sums, F pairs of steps added in int16 (2 F x max code x
-      // 128 <= 32767, as panel_tile's) and widened by vpmaddwd once: the same int32 sums as VNNI's
-      constexpr int F = BITS == 6 ? 2 : 4;
-      [[maybe_unused]] __m256i t0[M], t1[M];   // AVX2's int16 sums
+      __m256i sum[M];             // the rows' int32 sums of the half, the panel's 8 rows in order
+      if constexpr (kDpbusd) {
+        __m256i s0[M][C], s1[M][C];
+        for (int m = 0; m < M; ++m)
+          for (int c = 0; c < C; ++c) s0[m][c] = s1[m][c] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-      for (int i = 0; i < kPairs; ++i) {
-        __m256i q0, q1;
-        pair_quads<BITS>(block, h * kPairs + i, q0, q1);
-        for (int m = 0; m < M; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * 128 + (h * kPairs + i) * 32));
-          if constexpr (kDpbusd) {
+        for (int i = 0; i < kPairs; ++i) {
+          __m256i q0, q1;
+          pair_quads<BITS>(block, h * kPairs + i, q0, q1);
+          for (int m = 0; m < M; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m] + b * kPairBytes + (h * kPairs + i) * 32));
             s0[m][i % C] = dot8(s0[m][i % C], q0, xv);
             s1[m][i % C] = dot8(s1[m][i % C], q1, xv);
-          } else {
-            const __m256i p0 = _mm256_maddubs_epi16(q0, xv), p1 = _mm256_maddubs_epi16(q1, xv);
-            t0[m] = i % F == 0 ? p0 : _mm256_add_epi16(t0[m], p0);
-            t1[m] = i % F == 0 ? p1 : _mm256_add_epi16(t1[m], p1);
-            if (i % F == F - 1 || i == kPairs - 1) {
-              const __m256i ones = _mm256_set1_epi16(1);
-              s0[m][0] = _mm256_add_epi32(s0[m][0], _mm256_madd_epi16(t0[m], ones));
-              s1[m][0] = _mm256_add_epi32(s1[m][0], _mm256_madd_epi16(t1[m], ones));
-            }
+          }
+        }
+        for (int m = 0; m < M; ++m) {
+          for (int c = 1; c < C; ++c) s0[m][0] = _mm256_add_epi32(s0[m][0], s0[m][c]), s1[m][0] = _mm256_add_epi32(s1[m][0], s1[m][c]);
+          sum[m] = _mm256_add_epi32(_mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x20),
+                                    _mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x31));
+        }
+      } else {
+        // W step pairs summed in int16 before they could overflow (each adds two products a lane,
+        // each at most 2 x max code x 128: 4 W max code 128 <= 32767), then widened and added
+        constexpr int W = std::max(1, 32767 / (4 * ((1 << BITS) - 1) * 128));
+        __m256i t[M];
+        for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i = 0; i < kPairs; ++i) {
+          __m256i first, second;
+          pair_halves<BITS>(block, h * kPairs + i, first, second);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xv = x[m] + b * kPairBytes + (h * kPairs + i) * 64;
+            const __m256i both = _mm256_add_epi16(
+                _mm256_maddubs_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv))),
+                _mm256_maddubs_epi16(second, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xv + 32))));
+            t[m] = i % W == 0 ? both : _mm256_add_epi16(t[m], both);
+            if (i % W == W - 1 || i == kPairs - 1)     // the two steps' lanes widened and added
+              sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(t[m])),
+                                                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(t[m], 1))));
           }
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (G16 ? 2 * b + h : g) * kPanel)));
       for (int m = 0; m < M; ++m) {
-        for (int c = 1; c < C; ++c) s0[m][0] = _mm256_add_epi32(s0[m][0], s0[m][c]), s1[m][0] = _mm256_add_epi32(s1[m][0], s1[m][c]);
-        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x20),
-                                       _mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x31));
-        if (zero_terms) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero_terms[((m0 + m) * nb + b) * kHalves + h]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd[m][b])), acc[m]);
+        if (zero_terms) sum[m] = _mm256_sub_epi32(sum[m], _mm256_set1_epi32(zero_terms[((m0 + m) * nb + b) * kHalves + h]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(xd[m][b])), acc[m]);
       }
     }
     if (--left == 0) ++g, left = per_group;
@@ -1207,7 +1257,7 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
 
 template <int BITS, bool G16, typename out_t>
 void gemv_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
-  const std::vector<int8_t> pairs = pair_layout(a, m, p.k);
+  const std::vector<int8_t> pairs = small_row_layout(a, m, p.k);
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
   const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
   const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
