@@ -63,6 +63,26 @@ def kernel_builds():
     return {"simd": simd, "portable": portable}
 
 
+def int8_kernel(build: str):
+    """The build whose int8 product a test checks: "simd" the native one; "avx2" the AVX2-only
+    build, on CPUs whose native build has VNNI (elsewhere the native build is that one: skipped)."""
+    kernel = kernel_builds()["simd"]
+    if not kernel.has_int8():
+        pytest.skip("the int8 product needs AVX2")
+    if build == "simd":
+        return kernel
+    if kernel.path() == "avx2":
+        pytest.skip("the native build is the AVX2 one here")
+    avx2 = kernels.quant_linear_avx2()
+    if avx2 is None:
+        pytest.skip("the AVX2-only build of the kernel could not be built here")
+    assert avx2.path() == "avx2" and 8 not in avx2.int8_bits()
+    return avx2
+
+
+INT8_BUILDS = ["simd", "avx2"]
+
+
 def shapes(qtype):
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     # K not a multiple of 256 where the type allows it; N odd, 1 and large; 18 blocks of 32 (SmolLM2's
@@ -105,16 +125,15 @@ def test_matmul_matches_float32_math(qtype, n, k, rows, build):
     torch.testing.assert_close(got, direct, rtol=0, atol=atol + 4 * SCALE_ROUNDING * scale)
 
 
+@pytest.mark.parametrize("build", INT8_BUILDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
-def test_int8_activations_product(qtype, n, k, rows):
+def test_int8_activations_product(qtype, n, k, rows, build):
     """--cpu-int8-activations: from part_int8_rows (1 for the panel layout, else 8; fewer
     rows keep the int16 product), exactly the product of the int8-rounded activations
     (4 to 6-bit codes, and 8-bit ones where the build has VNNI's u8 x s8 product; elsewhere they
     keep the int16 product), and near the float one."""
-    kernel = kernel_builds()["simd"]
-    if not kernel.has_int8():
-        pytest.skip("the int8 product needs AVX2")
+    kernel = int8_kernel(build)
     raw = random_blocks(qtype, n, k, seed=3 * n + k)
     weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
@@ -318,15 +337,14 @@ CODE_BYTES = {QType.Q4_0: slice(2, None), QType.Q5_0: slice(2, None), QType.Q4_K
               QType.Q5_K: slice(16, None), QType.Q6_K: slice(0, 192)}
 
 
+@pytest.mark.parametrize("build", INT8_BUILDS)
 @pytest.mark.parametrize("qtype", list(CODE_BYTES))
-def test_the_int8_product_at_its_largest_sums(qtype):
+def test_the_int8_product_at_its_largest_sums(qtype, build):
     """Every code at its largest and every activation at +-127 (a constant row): the int16 sums of
     vpmaddubsw (AVX2) reach their bound (2 x steps x max code x 127), so a path that adds one step
     too many in int16 wraps; each path (1-7 rows the small-row kernel, 8 a tile, 11 the unpacked
     panels) gives the exact product of the int8-rounded activations."""
-    kernel = panel_kernel()
-    if not kernel.has_int8():
-        pytest.skip("the int8 product needs AVX2")
+    kernel = int8_kernel(build)
     n, k = 16, 512
     raw = random_blocks(qtype, n, k, seed=11)
     raw.reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)[:, CODE_BYTES[qtype]] = 0xFF
@@ -342,15 +360,14 @@ def test_the_int8_product_at_its_largest_sums(qtype):
         torch.testing.assert_close(got, exact[:rows], rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("build", INT8_BUILDS)
 @pytest.mark.parametrize("qtype", PANEL_TYPES + ["int8", "int4"])
-def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype):
+def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype, build):
     """The int8 product's paths (the small-row kernel below 8 rows, the panel tiles decoded in
     registers at 8, the unpacked panels from 9) give each row the same bits whatever the number of
     rows beside it, for every format and both output dtypes: a decode row's logits do not depend on
     its batch. And near the int16 product (int8's rounding)."""
-    kernel = panel_kernel()
-    if not kernel.has_int8():
-        pytest.skip("the int8 product needs AVX2")
+    kernel = int8_kernel(build)
     threads = torch.get_num_threads()
     # panels in pairs and not (40 rows: five panels), groups a multiple of four and not (k 576: 18)
     for n, k in ((48, 512), (40, 576 if qtype not in K_QUANTS else 768)):

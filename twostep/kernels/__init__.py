@@ -189,6 +189,16 @@ def quant_linear_portable():
 
 
 @functools.lru_cache(maxsize=None)
+def quant_linear_avx2():
+    """The same kernel built for AVX2 alone (no AVX-512, no VNNI), in its own op namespace: the
+    int8 product's AVX2 paths (vpmaddubsw, their own activation layout), which the native build of a
+    CPU with VNNI does not compile, built by the tests on such CPUs so those paths are checked there
+    too (on an AVX2-only CPU the native build is this one)."""
+    return _load("twostep_quant_linear_avx2", "quant_linear.cpp",
+                 ("-mno-avx512f", "-mno-avxvnni", "-DTWOSTEP_VARIANT=twostep_avx2", *_IN_ORDER))
+
+
+@functools.lru_cache(maxsize=None)
 def decode_step():
     """A decode step's decoder layers in one call, composed of the other kernels' registered ops
     (models/fused_decode.py), or None when it cannot be built here. Load the kernels it calls first:
