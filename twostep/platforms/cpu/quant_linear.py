@@ -20,7 +20,8 @@ With int8 activations, inputs of the kernel's int8_min_rows() rows or more take 
 instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block
 of 32 to int8 as llama.cpp quantizes them for all its products. That is any number of rows where
 the weight is in the panel layout (below 8 a small-row kernel: one user's decode at 1.38x the
-int16 passes' rate on a Zen 4 core with VNNI, Q4_0; 1.5x on an AVX2-only Zen 1, 4 to 6-bit codes),
+int16 passes' rate on a Zen 4 core with VNNI, Q4_0; 1.3-1.9x on an AVX2-only Zen 1 at 1-4 rows, 4 to
+6-bit codes),
 else from 8. On an AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the
 matrix-vector passes at 8-64 rows; on a Zen 4 with VNNI 2.0-2.1x the passes at 32 rows
 (benchmarks/RESULTS.md). Each row's sums are the same bits whatever the number of rows beside it. Its rounding (a step of max|x| / 127 per block) is noise
