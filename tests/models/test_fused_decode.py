@@ -207,6 +207,31 @@ def test_the_decode_stack_beside_speculative_verification_and_prefix_caching(tin
     assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **extra)), prompts)
 
 
+def test_drafts_are_verified_in_a_decode_batch_by_the_layers(tiny_model_dir, monkeypatch):
+    """A step of decodes verifying drafts is a decode batch (every row a generated position), so
+    its quantized rows round to int8 as the decode rows of those tokens would, and greedy
+    speculation repeats plain decoding's tokens and logprobs; it has more rows than sequences, so
+    the layers run it, not the stack (which takes one row per sequence)."""
+    int8_or_skip()
+    from twostep.core.model_runner import ModelRunner
+
+    steps = []
+    run_local = ModelRunner.run_local
+    monkeypatch.setattr(ModelRunner, "run_local", lambda self, inputs, rows: steps.append(
+        (inputs.decode_batch, len(inputs.input_ids), len(inputs.meta.query_lens))) or run_local(self, inputs, rows))
+    kw = dict(quantization="int4", max_num_batched_tokens=64)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = stack_or_skip(make(tiny_model_dir("llama"), speculative_config=spec, **kw))
+    counted = CountedStack(engine)
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [5, 6, 5, 6, 5, 6, 5]]
+    drafted = outputs(engine, prompts)
+    verifying = [s for s in steps if s[0] and s[1] > s[2]]
+    assert verifying, steps                  # drafts were verified, in decode batches
+    assert counted.taken < sum(s[0] for s in steps)      # the verifying steps ran the layers
+    steps.clear()
+    assert drafted == outputs(make(tiny_model_dir("llama"), **kw), prompts)
+
+
 def test_a_pure_decode_step_runs_no_python_layer(tiny_model_dir, monkeypatch):
     engine = stack_or_skip(make(tiny_model_dir("llama")))
     for prompt in PROMPTS[:3]:

@@ -35,8 +35,8 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     blocks: list[int]            # blocks written this step (zeroed on first use)
-    # every row one sequence's next generated token (no prompt rows, no drafts): the kernels may
-    # take a decode batch's faster products (platforms/step_kind.py)
+    # every row a generated position: one sequence's next token or a draft it verifies (no prompt
+    # rows): the kernels may take a decode batch's faster products (platforms/step_kind.py)
     decode_batch: bool = False
 
     def to(self, device: torch.device) -> "StepInputs":
@@ -167,7 +167,7 @@ class ModelRunner:
         )
         to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return StepInputs(to_dev(ids), to_dev(pos), meta, sorted({sl // bs for sl in slots}),
-                          all(s.is_decode and not s.spec_token_ids for s in items))
+                          all(s.is_decode for s in items))
 
     def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])

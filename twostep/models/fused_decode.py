@@ -7,8 +7,8 @@ C++ stack runs the same registered ops in the same order with the same arguments
 bit-identical to the layers' (tests/models/test_fused_decode.py checks it in float32 and bf16, with
 and without q/k norms and biases, for quantized, bf16 and float32 weights).
 
-It takes a decode batch (platforms/step_kind.py: every row one sequence's next generated token; not
-a prompt's last token, no drafts to verify), at most `max_rows` rows (the fewest any linear's
+It takes a decode batch (platforms/step_kind.py: every row a generated position; not a prompt's last
+token) with one row per sequence (no drafts to verify), at most `max_rows` rows (the fewest any linear's
 matrix-vector path takes; any number where every quantized part takes the int8 product, which a
 decode batch uses from 1 row in the panel layout), through the attention backend
 it was built for (the paged decode kernel, an unquantized cache) and on one rank. Any other step runs
@@ -42,10 +42,13 @@ class FusedDecode:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for a step it takes, else None."""
         # the backend it was built for builds HybridMetadata
-        # a decode batch (every row one sequence's one token) has only whole decode rows in the metadata
+        # a decode batch has only decode rows in the metadata; the stack takes one per sequence
+        # (a sequence verifying drafts has more: the layers run those steps)
         if not in_decode_batch() or backend is not self.backend or x.shape[0] > self.max_rows:
             return None
         plan = meta.decode
+        if x.shape[0] != plan.seq_lens.shape[0]:
+            return None
         return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],
                                   meta.common.slot_mapping, plan.rows.index, plan.query_lens, plan.tables,
                                   plan.seq_lens)

@@ -5,11 +5,13 @@ for the ops inside it (and vLLM a forward context); a linear method reads it. A 
 its input rows: eight rows may be eight sequences' next tokens or one prompt's first eight, and
 only the step knows which.
 
-One fact so far: a decode batch, a step in which every row is one sequence's next generated token
-(no prompt rows, not even a prompt's last token alone; no drafts to verify). With
---cpu-int8-activations decode (the default), the quantized products of such steps (the lm_head's
-included) round their activations to int8 (platforms/cpu/quant_linear.py); the decode stack
-(models/fused_decode.py) takes only such steps.
+One fact so far: a decode batch, a step in which every row is a generated position, one sequence's
+next token or a draft token it verifies (no prompt rows, not even a prompt's last token alone).
+With --cpu-int8-activations decode (the default), the quantized products of such steps (the lm_head's
+included) round their activations to int8 (platforms/cpu/quant_linear.py): a verified draft's row
+is the row plain decoding would have computed for that token, so greedy speculation keeps plain
+decoding's tokens. The decode stack (models/fused_decode.py) takes such steps with one row per
+sequence (no drafts).
 """
 from __future__ import annotations
 

@@ -29,11 +29,11 @@ enough to flip a close top token: with it in the prompt's rows the default SmolL
 "What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
 "The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
   decode (the default): the steps of a decode batch (platforms/step_kind.py: every row one
-    sequence's next generated token), one user's included, the lm_head's logits too, whatever the
-    activations' dtype (float32 is what `auto` picks on CPUs without native bf16, where llama.cpp's
-    speed matters as much): decode at llama.cpp's precision, a row's logits in a decode batch the
-    same whatever the batch (the panel layout); a prompt's forward (its last token too) and
-    speculative verification keep the int16 activations;
+    sequence's next generated token or a draft it verifies), one user's included, the lm_head's
+    logits too, whatever the activations' dtype (float32 is what `auto` picks on CPUs without native
+    bf16, where llama.cpp's speed matters as much): decode at llama.cpp's precision, a row's logits
+    in a decode batch the same whatever the batch (the panel layout), so a verified draft's too;
+    a prompt's forward (its last token too) keeps the int16 activations;
   all: every input from int8_min_rows() rows, prompts and float32 too (the fastest prefill);
   off: never.
 """
