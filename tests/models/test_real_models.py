@@ -12,8 +12,10 @@ STORIES_PROMPT = [1, 403, 407, 261, 378]  # "<s> Once upon a time"
 STORIES_EXPECTED = (", there was a little girl named Lily. She loved to play outside in the park. One day, "
                     "she saw a big, red ball. She wanted to play with it, but it was too high.\nLily")
 # Tolerance for SmolLM2's logits against transformers on the same dequantised weights, in float32
-# (measured: 0.0 max abs difference; logits span about +-38).
-SMOLLM_LOGIT_ATOL = 1e-4
+# (logits span about +-38). Measured: 0.0 max abs difference while a prompt's linears were MKL's
+# GEMM on dequantized tiles, as transformers' are; 1.4e-4 where they are oneDNN's float brgemm
+# on the panel layout (gemm_f32, AVX2 CPUs): float32 sums in another order, 30 layers deep.
+SMOLLM_LOGIT_ATOL = 3e-4
 
 
 def hf_from_gguf(path, **kw):

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from twostep import kernels
-from twostep.platforms.cpu.quant_linear import BF16_GEMM_GEMV_MAX_ROWS, GEMV_MAX_ROWS, QuantizedLinearMethod
+from twostep.platforms.cpu.quant_linear import (BF16_GEMM_GEMV_MAX_ROWS, F32_GEMM_GEMV_MAX_ROWS, GEMV_MAX_ROWS,
+                                                QuantizedLinearMethod)
 from twostep.platforms.step_kind import decode_batch
 from twostep.quantization.gguf_blocks import PACKED_TYPES, gguf_bits_per_weight, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
@@ -291,7 +292,8 @@ def in_passes(kernel, part, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
 def test_panel_layout_product(qtype, n, k, rows):
     """Weights bound in the panel layout multiply as the row layout's within float rounding (up to
-    gemv_max_rows: passes of the panel product; more: dequantized tiles, bit for bit)."""
+    gemv_max_rows: passes of the panel product; more: dequantized tiles, bit for bit, or float32
+    rows through gemm_f32 where the build has it, within float32 rounding)."""
     method = QuantizedLinearMethod(panel_kernel())
     weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=5 * n + k), qtype, n, k),))
     panels = method.prepare(weight)
@@ -301,7 +303,9 @@ def test_panel_layout_product(qtype, n, k, rows):
     scale = expected.abs().max().item()
     got = method.matmul(panels, x)
     passes = rows <= method.gemv_max_rows(panels, x.dtype)
-    if not passes:
+    if not passes and method.f32_gemm:         # float32 math (the row layout: passes or tiles)
+        torch.testing.assert_close(got, expected, rtol=0, atol=4e-6 * scale)
+    elif not passes:
         assert torch.equal(got, method.matmul(weight, x))
     torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * scale)
     torch.testing.assert_close(got, method.matmul(weight, x), rtol=0, atol=GEMV_RTOL * scale)
@@ -460,15 +464,17 @@ def test_bytes_held_match_the_packed_layout(qtype, bits):
 def test_wide_pass_builds_take_more_rows_in_passes():
     """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 fp16 rows in passes
     of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles), bf16
-    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows, row layouts and other
-    builds 32."""
+    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows up to 8 (8-bit codes:
+    32) where it has gemm_f32; row layouts and other builds 32."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
                for q in (QType.Q4_0, QType.Q8_0, QType.Q6_K)}
     for w in weights.values():
         assert method.gemv_max_rows(w, torch.bfloat16) == GEMV_MAX_ROWS            # the row layout
-        assert method.gemv_max_rows(method.prepare(w), torch.float32) == GEMV_MAX_ROWS
+        assert method.gemv_max_rows(w, torch.float32) == GEMV_MAX_ROWS
+    f32 = [method.gemv_max_rows(method.prepare(w), torch.float32) for w in weights.values()]
+    assert f32 == ([8, 32, 8] if kernel.has_f32_gemm() else [GEMV_MAX_ROWS] * 3)
     if not kernel.wide_pass():
         pytest.skip("this build has no 8-row pass (AVX2 or portable)")
     assert [method.gemv_max_rows(method.prepare(w), torch.float16) for w in weights.values()] == [64, 64, 32]
@@ -546,6 +552,57 @@ def test_bf16_gemm_is_the_prefill_product():
         tiled = method.matmul(weight, x)
     assert "twostep::quant_dequantize_rows" in [e.name for e in prof.events()]
     torch.testing.assert_close(tiled.float(), got.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def f32_gemm_kernel():
+    kernel = panel_kernel()
+    if not kernel.has_f32_gemm():
+        pytest.skip("gemm_f32 needs torch's oneDNN float brgemm")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 17, 100, 300])
+@pytest.mark.parametrize("qtype,n,k", GEMM_CASES, ids=[f"{getattr(q, 'name', q)}-{n}x{k}" for q, n, k in GEMM_CASES])
+def test_f32_gemm_product(qtype, n, k, rows):
+    """gemm_f32: float32 rows against the panel layout, the weights dequantized 64 rows x 1024 weights
+    at a time in float32: the float32 product of the dequantized weights within float32 rounding
+    (brgemm's order of the sums, not MKL's), into a view of wider rows without touching the columns
+    beside it."""
+    kernel = f32_gemm_kernel()
+    panels = QuantizedLinearMethod(kernel).prepare(gemm_weight(qtype, n, k)).parts[0]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = (x.double() @ panels.dequantize().double().t()).float()
+    wide = torch.full((rows, n + 16), 7.0)
+    kernel.gemm_f32(x, *panels.planes(), panels.fmt.bits, panels.fmt.group, panels.fmt.zero, wide[:, 8:8 + n])
+    assert torch.all(wide[:, :8] == 7) and torch.all(wide[:, 8 + n:] == 7)
+    torch.testing.assert_close(wide[:, 8:8 + n], expected, rtol=0, atol=4e-6 * expected.abs().max().item())
+
+
+def test_f32_gemm_is_the_prefill_product():
+    """Where torch's float brgemm runs (oneDNN's: the AVX2 builds here), a float32 prompt's rows
+    against the panel layout take gemm_f32 past the crossovers (not the dequantized tiles): one
+    quant_gemm_f32 call per part, no dequantize_rows; the tiles give the same product."""
+    kernel = f32_gemm_kernel()
+    method = QuantizedLinearMethod(kernel)
+    parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_K, 64), (QType.Q8_0, 16))]
+    weight = method.prepare(QuantizedWeight.stack(parts))
+    x = torch.randn(F32_GEMM_GEMV_MAX_ROWS[8] + 1, 256)
+    with torch.profiler.profile() as prof:
+        got = method.matmul(weight, x)
+    names = [e.name for e in prof.events()]
+    assert names.count("twostep::quant_gemm_f32") == 2 and "twostep::quant_dequantize_rows" not in names
+    x = x[:F32_GEMM_GEMV_MAX_ROWS[4] + 1]                # the 4-bit part's, not the 8-bit part's
+    with torch.profiler.profile() as prof:
+        method.matmul(weight, x)
+    names = [e.name for e in prof.events()]
+    assert names.count("twostep::quant_gemm_f32") == 1 and names.count("twostep::quant_gemv") == 2
+    x = torch.randn(70, 256)
+    got = method.matmul(weight, x)
+    method.f32_gemm = False                  # the tiles, as a CPU without it runs them: the same product
+    with torch.profiler.profile() as prof:
+        tiled = method.matmul(weight, x)
+    assert "twostep::quant_dequantize_rows" in [e.name for e in prof.events()]
+    torch.testing.assert_close(tiled, got, rtol=0, atol=4e-6 * got.abs().max().item())
 
 
 def test_a_row_layout_part_keeps_its_passes():

@@ -1623,6 +1623,115 @@ bool brgemm_bf16_runs() {
 bool brgemm_bf16_runs() { return false; }
 #endif
 
+// ---- gemm_f32: float32 rows against the panel layout through oneDNN's float brgemm ----
+// What gemm_bf16 is to bf16 rows, for the float32 rows of CPUs without native bf16 (AVX2 alone:
+// Zen 1-3, older Intel), where the other way is dequantized tiles through MKL's float32 GEMM
+#if defined(TWOSTEP_AVX2) && defined(CPUBLAS_BRGEMM_F32F32F32)
+#define TWOSTEP_F32_GEMM 1
+#endif
+
+#ifdef TWOSTEP_F32_GEMM
+constexpr int64_t kF32Columns = 64;    // weight rows (output columns) a task dequantizes
+constexpr int64_t kF32Rows = 256;      // rows of x a task multiplies
+constexpr int64_t kF32Depth = 1024;    // weights (of k) dequantized and multiplied at a time: 256 KB of floats
+
+// Block b of one panel as floats in the layout brgemm multiplies ([k][columns]): weight i's 8 rows
+// at dst + i * stride. pair_halves gives a step pair's code pairs (16-bit lane j: row j's codes
+// 2c, 2c + 1); a byte shuffle puts each code's 8 rows side by side, widened and scaled 8 at a time.
+// d[h], o[h]: the scales and offsets (min - zero * scale) of the block's half h.
+template <int BITS>
+inline void dequantize_block_columns(const uint8_t* block, const __m256 d[2], const __m256 o[2], float* dst,
+                                     int64_t stride) {
+  const __m256i by_code = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int p = 0; p < 4; ++p) {
+    __m256i halves[2];                      // codes 4s, 4s + 1 | 4s + 2, 4s + 3 (steps s = 2p, 2p + 1)
+    pair_halves<BITS>(block, p, halves[0], halves[1]);
+    const int h = p / 2;                    // the half block of codes 8p .. 8p + 7
+    for (int f = 0; f < 2; ++f) {
+      const __m256i v = _mm256_shuffle_epi8(halves[f], by_code);
+      for (int lane = 0; lane < 2; ++lane) {
+        const __m128i codes = lane ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+        for (int u = 0; u < 2; ++u) {
+          const __m128i eight = u ? _mm_srli_si128(codes, 8) : codes;
+          const __m256i ints = BITS == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+          const int i = 4 * (2 * p + lane) + 2 * f + u;
+          _mm256_storeu_ps(dst + i * stride, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d[h], o[h]));
+        }
+      }
+    }
+  }
+}
+
+// Weight rows n0 .. n0 + cols (whole panels, at most kF32Columns), weights k0 .. k0 + depth, as
+// floats [depth][kF32Columns] (a narrower tail keeps the stride: one leading dimension for brgemm)
+template <int BITS>
+void dequantize_columns(const Planes& p, int64_t n0, int64_t cols, int64_t k0, int64_t depth, float* w) {
+  const int64_t nb = p.k / kBlock;
+  for (int64_t q = 0; q < cols / kPanel; ++q) {
+    const int64_t panel = n0 / kPanel + q;
+    const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
+    for (int64_t b = k0 / kBlock; b < (k0 + depth) / kBlock; ++b) {
+      __m256 d[2], o[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = p.scale_at(panel * kPanel, (b * kBlock + 16 * h) / p.group);
+        d[h] = load8(p.scales + at);
+        o[h] = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(p.zero)), d[h],
+                                p.mins ? load8(p.mins + at) : _mm256_setzero_ps());
+      }
+      dequantize_block_columns<BITS>(qs + b * panel_block(BITS), d, o,
+                                     w + (b * kBlock - k0) * kF32Columns + q * kPanel, kF32Columns);
+    }
+  }
+}
+
+// out[m, n] (rows out_stride apart) = x[m] . w[n] for the panel layout: tasks of kF32Columns weight
+// rows x kF32Rows rows of x; per kF32Depth weights a task dequantizes its columns into its buffer
+// (in L2) and multiplies its rows against them with brgemm, adding into out
+template <int BITS>
+void gemm_f32_panels(const Planes& p, int64_t n, int64_t m, const float* x, int64_t x_stride, float* out,
+                     int64_t out_stride) {
+  const int64_t k = p.k, row_blocks = (m + kF32Rows - 1) / kF32Rows;
+  const int64_t tasks = (n + kF32Columns - 1) / kF32Columns * row_blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> w(new float[kF32Depth * kF32Columns]);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task / row_blocks * kF32Columns, m0 = task % row_blocks * kF32Rows;
+      const int64_t cols = std::min(kF32Columns, n - n0), rows = std::min(kF32Rows, m - m0);
+      for (int64_t k0 = 0; k0 < k; k0 += kF32Depth) {
+        const int64_t depth = std::min(kF32Depth, k - k0);
+        dequantize_columns<BITS>(p, n0, cols, k0, depth, w.get());
+        // as gemm_bf16: from 64 rows the rows rounded down to 16, then the rest (brgemm's kernels
+        // are compiled and cached per shape)
+        for (int64_t r0 = 0, piece; r0 < rows; r0 += piece) {
+          piece = rows - r0 >= 64 ? (rows - r0) / 16 * 16 : rows - r0;
+          at::native::cpublas::brgemm(piece, cols, depth, x_stride, kF32Columns, out_stride, k0 > 0,
+                                      x + (m0 + r0) * x_stride + k0, w.get(), out + (m0 + r0) * out_stride + n0);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+}
+
+// whether torch's float brgemm runs here (oneDNN's, where its CPU check passes; else torch's own loop)
+bool brgemm_f32_runs() {
+  static const bool runs = [] {
+    try {
+      std::vector<float> a(32, 1.f), b(32 * 16, 1.f), c(16);
+      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data());
+      at::native::cpublas::brgemm_release(false);
+      return c[0] == 32.f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return runs;
+}
+#else
+bool brgemm_f32_runs() { return false; }
+#endif
+
 }  // namespace
 
 // out[m, :n] = x[m] . w^T for x [M <= 8, k]; out is [M, n] with unit column stride, float32 or x's
@@ -1808,6 +1917,32 @@ void gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
 #endif
 }
 
+// out [m, n] (unit column stride) = x [m, k] . w^T for float32 x and w in the panel layout, where
+// has_f32_gemm(): the prefill product of float32 models, oneDNN's float brgemm on weights dequantized
+// 64 rows x 1024 weights at a time into a thread's buffer (no dequantized tile goes through memory)
+void gemm_f32(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+              const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_gemm_f32", c10::ArrayRef<c10::IValue>({}));
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 x and out");
+  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [", m, ", ", n, "]");
+  TORCH_CHECK(p.panels, "gemm_f32 takes the panel layout");
+  TORCH_CHECK(brgemm_f32_runs(), "this build or CPU has no float brgemm (has_f32_gemm() is false)");
+  if (m == 0) return;
+#ifdef TWOSTEP_F32_GEMM
+  const float* a = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  switch (bits) {
+    case 4: return gemm_f32_panels<4>(p, n, m, a, x.stride(0), o, out.stride(0));
+    case 5: return gemm_f32_panels<5>(p, n, m, a, x.stride(0), o, out.stride(0));
+    case 6: return gemm_f32_panels<6>(p, n, m, a, x.stride(0), o, out.stride(0));
+    default: return gemm_f32_panels<8>(p, n, m, a, x.stride(0), o, out.stride(0));
+  }
+#endif
+}
+
 // The panel layout of row-major planes (n a multiple of 8): (qs, scales, mins) as described at the
 // top; quantization/packed.py's to_panels is the reference this is tested against.
 std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
@@ -1869,6 +2004,7 @@ int64_t int8_min_rows() { return kPanels ? 1 : 8; }
 bool has_panels() { return kPanels; }
 bool wide_pass() { return kWidePass; }
 bool has_bf16_gemm() { return brgemm_bf16_runs(); }
+bool has_f32_gemm() { return brgemm_f32_runs(); }
 
 // Also torch custom ops (torch.ops.twostep.quant_gemv, ...); the portable build of this file, loaded
 // beside the native one, registers its own namespace, as does a build with -DTWOSTEP_VARIANT=name
@@ -1890,6 +2026,8 @@ TWOSTEP_FRAGMENT(TWOSTEP_OPS, m) {
         "int zero, Tensor(a!) out) -> ()");
   m.def("quant_gemm_bf16(Tensor x, Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
         "int zero, Tensor(a!) out) -> ()");
+  m.def("quant_gemm_f32(Tensor x, Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
+        "int zero, Tensor(a!) out) -> ()");
   m.def("quant_dequantize_rows(Tensor qs, Tensor? qh, Tensor scales, Tensor? mins, int bits, int group, "
         "int zero, Tensor ids, Tensor(a!) out) -> ()");
 }
@@ -1907,6 +2045,11 @@ TWOSTEP_IMPL(TWOSTEP_OPS, m) {
                                const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
                                int64_t group, int64_t zero, at::Tensor out) {
     gemm_bf16(x, qs, qh, scales, mins, bits, group, zero, out);
+  });
+  m.impl("quant_gemm_f32", [](const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                              int64_t group, int64_t zero, at::Tensor out) {
+    gemm_f32(x, qs, qh, scales, mins, bits, group, zero, out);
   });
   m.impl("quant_dequantize_rows", [](const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
                                      const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
@@ -1926,6 +2069,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "row-major planes in the panel layout: qs (with the high bits), scales, mins");
   m.def("gemm_bf16", &gemm_bf16, "bf16 rows x the panel layout through oneDNN's brgemm (has_bf16_gemm())");
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether this build and CPU have gemm_bf16");
+  m.def("gemm_f32", &gemm_f32, "float32 rows x the panel layout through oneDNN's float brgemm (has_f32_gemm())");
+  m.def("has_f32_gemm", &has_f32_gemm, "whether this build and CPU have gemm_f32");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
   m.def("path", &path, "the instruction set this build uses");
 }

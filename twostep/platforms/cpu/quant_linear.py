@@ -11,10 +11,14 @@ kernel's gemm_bf16 where the CPU has AVX512-BF16 (or AMX): each thread dequantiz
 a time into a buffer in its L2 cache, in the layout oneDNN's brgemm micro-kernel multiplies, and
 multiplies every row against them, at the rate of oneDNN's product on pre-packed bf16 weights
 (0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
-linear.py). Other dtypes and layouts dequantize the weight a tile of rows at a time into the model's
-dtype and multiply with oneDNN / MKL: the float matmul's rate on unpacked weights, plus the tiles'
-trip through memory (0.77-0.85x of the pre-packed product). An embedding dequantizes only the rows
-it looks up.
+linear.py). Float32 activations (what `auto` picks on CPUs without native bf16) take the kernel's
+gemm_f32 the same way where torch's float brgemm runs (oneDNN's, on AVX2 and up), from 9 rows (33
+for 8-bit codes): 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
+~85% of the cores' float32 peak on an AVX2-only Zen 1 (1.6-2.1x the dequantized tiles at 64 rows,
+1.1-1.3x at 512; float32 math, where the passes below it round activations to int16). Other dtypes
+and layouts dequantize the weight a tile of rows at a time into the model's dtype and multiply with
+oneDNN / MKL: the float matmul's rate on unpacked weights, plus the tiles' trip through memory
+(0.77-0.85x of the pre-packed product). An embedding dequantizes only the rows it looks up.
 
 With int8 activations, inputs of the kernel's int8_min_rows() rows or more take its int8 product
 instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block
@@ -61,6 +65,11 @@ WIDE_GEMV_MAX_ROWS = {4: 64, 5: 48, 6: 32, 8: 64}
 # ... and for bf16 activations where the kernel has gemm_bf16 (the same linears, Zen 4: gemm_bf16
 # is 0.93-1.05x the passes at 16 rows, 1.1-1.5x at 24, 1.2-1.4x at 32, 1.6-1.8x at 64)
 BF16_GEMM_GEMV_MAX_ROWS = 16
+# ... and for float32 activations where the kernel has gemm_f32 (AVX2 CPUs; the same linears, Zen 1:
+# gemm_f32 1.01-1.22x the passes at 8 rows for 4 to 6-bit codes, 1.26-1.49x at 16; 8-bit codes,
+# whose passes need no decoding, 0.74x at 8, 0.93x at 16, 1.11x at 32); float32 math, which the
+# passes' int16 activations are not
+F32_GEMM_GEMV_MAX_ROWS = {4: 8, 5: 8, 6: 8, 8: 32}
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
 
@@ -80,6 +89,7 @@ class QuantizedLinearMethod:
         self.int8_rows = kernel.int8_min_rows()   # 1 where the small-row kernel is (the panel layout), else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
+        self.f32_gemm = kernel.has_f32_gemm()     # float32 rows x the panel layout through brgemm
         where = {"off": "", "decode": f", int8 activations in decode batches from {self.int8_rows} rows",
                  "all": f", int8 activations from {self.int8_rows} rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
@@ -178,13 +188,16 @@ class QuantizedLinearMethod:
 
     def _plain_part(self, part: PackedWeight, x: torch.Tensor, out: torch.Tensor) -> None:
         """Passes of the matrix-vector product up to part_gemv_max_rows; more rows: gemm_bf16 for
-        bf16 against the panel layout where the kernel has it, else dequantized tiles."""
+        bf16 (gemm_f32 for float32) against the panel layout where the kernel has it, else
+        dequantized tiles."""
         if x.shape[0] <= self.part_gemv_max_rows(part, x.dtype):
             for first in range(0, x.shape[0], GEMV_ROWS):
                 rows = slice(first, first + GEMV_ROWS)
                 self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows])
         elif self._takes_bf16_gemm(part, x.dtype):
             self.kernel.gemm_bf16(x, *part.planes(), *_format_args(part), out)
+        elif self._takes_f32_gemm(part, x.dtype):
+            self.kernel.gemm_f32(x, *part.planes(), *_format_args(part), out)
         else:
             rows = max(16, TILE_BYTES // (part.k * x.element_size()) // 16 * 16)   # whole panels a thread
             for first in range(0, part.n, rows):
@@ -195,6 +208,9 @@ class QuantizedLinearMethod:
         # brgemm is oneDNN's: off while a user turns oneDNN off (torch.backends.mkldnn.flags)
         return self.bf16_gemm and dtype == torch.bfloat16 and part.panels and torch.backends.mkldnn.enabled
 
+    def _takes_f32_gemm(self, part: PackedWeight, dtype: torch.dtype) -> bool:
+        return self.f32_gemm and dtype == torch.float32 and part.panels and torch.backends.mkldnn.enabled
+
     def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` that every part takes in passes of the matrix-vector product."""
         return min(self.part_gemv_max_rows(p, dtype) for p in weight.parts)
@@ -202,6 +218,8 @@ class QuantizedLinearMethod:
     def part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than the
         matrix-matrix product (the measured crossovers above)."""
+        if self._takes_f32_gemm(part, dtype):
+            return F32_GEMM_GEMV_MAX_ROWS.get(part.fmt.bits, GEMV_MAX_ROWS)
         if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
         if self._takes_bf16_gemm(part, dtype):
