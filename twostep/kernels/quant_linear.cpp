@@ -1891,55 +1891,66 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
   });
 }
 
+// The checks gemm_bf16 and gemm_f32 share (2-D row-major x and out of `type`, the panel layout, a
+// brgemm that runs here) and the weight's planes
+Planes brgemm_planes(const char* name, at::ScalarType type, bool runs, const at::Tensor& x, const at::Tensor& qs,
+                     const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
+                     const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
+  TORCH_CHECK(x.scalar_type() == type && out.scalar_type() == type, name, ": x and out of ", type);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == rows_of(qs), "out must be [", x.size(0), ", ", rows_of(qs), "]");
+  TORCH_CHECK(p.panels, name, " takes the panel layout");
+  TORCH_CHECK(runs, "this build or CPU has no brgemm for ", name);
+  return p;
+}
+
+// f(std::integral_constant<int, BITS>) for a weight's code width
+template <typename F>
+void with_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // out [m, n] (unit column stride) = x [m, k] . w^T for bf16 x and w in the panel layout, where
 // has_bf16_gemm(): the prefill product, at oneDNN's bf16 rate on weights dequantized 64 rows at a
 // time into a thread's buffer (no dequantized tile goes through memory)
 void gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
                const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemm_bf16", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16 x and out");
-  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [", m, ", ", n, "]");
-  TORCH_CHECK(p.panels, "gemm_bf16 takes the panel layout");
-  TORCH_CHECK(brgemm_bf16_runs(), "this build or CPU has no bf16 brgemm (has_bf16_gemm() is false)");
-  if (m == 0) return;
+  const Planes p = brgemm_planes("gemm_bf16", at::kBFloat16, brgemm_bf16_runs(), x, qs, qh, scales, mins, bits,
+                                 group, zero, out);
+  if (x.size(0) == 0) return;
 #ifdef TWOSTEP_BF16_GEMM
-  const at::BFloat16* a = x.data_ptr<at::BFloat16>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  switch (bits) {
-    case 4: return gemm_bf16_panels<4>(p, n, m, a, x.stride(0), o, out.stride(0));
-    case 5: return gemm_bf16_panels<5>(p, n, m, a, x.stride(0), o, out.stride(0));
-    case 6: return gemm_bf16_panels<6>(p, n, m, a, x.stride(0), o, out.stride(0));
-    default: return gemm_bf16_panels<8>(p, n, m, a, x.stride(0), o, out.stride(0));
-  }
+  with_bits(bits, [&](auto b) {
+    gemm_bf16_panels<decltype(b)::value>(p, out.size(1), x.size(0), x.data_ptr<at::BFloat16>(), x.stride(0),
+                          out.data_ptr<at::BFloat16>(), out.stride(0));
+  });
+#else
+  (void)p;
 #endif
 }
 
-// out [m, n] (unit column stride) = x [m, k] . w^T for float32 x and w in the panel layout, where
-// has_f32_gemm(): the prefill product of float32 models, oneDNN's float brgemm on weights dequantized
-// 64 rows x 1024 weights at a time into a thread's buffer (no dequantized tile goes through memory)
+// the same for float32 x and out, where has_f32_gemm(): the prefill product of float32 models,
+// oneDNN's float brgemm on weights dequantized 64 rows x 1024 weights at a time
 void gemm_f32(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
               const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemm_f32", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "float32 x and out");
-  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [", m, ", ", n, "]");
-  TORCH_CHECK(p.panels, "gemm_f32 takes the panel layout");
-  TORCH_CHECK(brgemm_f32_runs(), "this build or CPU has no float brgemm (has_f32_gemm() is false)");
-  if (m == 0) return;
+  const Planes p = brgemm_planes("gemm_f32", at::kFloat, brgemm_f32_runs(), x, qs, qh, scales, mins, bits, group,
+                                 zero, out);
+  if (x.size(0) == 0) return;
 #ifdef TWOSTEP_F32_GEMM
-  const float* a = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  switch (bits) {
-    case 4: return gemm_f32_panels<4>(p, n, m, a, x.stride(0), o, out.stride(0));
-    case 5: return gemm_f32_panels<5>(p, n, m, a, x.stride(0), o, out.stride(0));
-    case 6: return gemm_f32_panels<6>(p, n, m, a, x.stride(0), o, out.stride(0));
-    default: return gemm_f32_panels<8>(p, n, m, a, x.stride(0), o, out.stride(0));
-  }
+  with_bits(bits, [&](auto b) {
+    gemm_f32_panels<decltype(b)::value>(p, out.size(1), x.size(0), x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(),
+                         out.stride(0));
+  });
+#else
+  (void)p;
 #endif
 }
 
