@@ -13,8 +13,9 @@ STORIES_EXPECTED = (", there was a little girl named Lily. She loved to play out
                     "she saw a big, red ball. She wanted to play with it, but it was too high.\nLily")
 # Tolerance for SmolLM2's logits against transformers on the same dequantised weights, in float32
 # (logits span about +-38). Measured: 0.0 max abs difference while a prompt's linears were MKL's
-# GEMM on dequantized tiles, as transformers' are; 1.4e-4 where they are oneDNN's float brgemm
-# on the panel layout (gemm_f32, AVX2 CPUs): float32 sums in another order, 30 layers deep.
+# GEMM on dequantized tiles, as transformers' are (AVX-512 builds still); 1.4e-4 on an AVX2 Zen 1,
+# where they are oneDNN's float brgemm on the panel layout (gemm_f32): float32 sums in another
+# order, 30 layers deep.
 SMOLLM_LOGIT_ATOL = 3e-4
 
 

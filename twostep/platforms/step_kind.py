@@ -9,8 +9,9 @@ One fact so far: a decode batch, a step in which every row is a generated positi
 next token or a draft token it verifies (no prompt rows, not even a prompt's last token alone).
 With --cpu-int8-activations decode (the default), the quantized products of such steps (the lm_head's
 included) round their activations to int8 (platforms/cpu/quant_linear.py): a verified draft's row
-is the row plain decoding would have computed for that token, so greedy speculation keeps plain
-decoding's tokens. The decode stack (models/fused_decode.py) takes such steps with one row per
+is the row plain decoding would have computed for that token (where a product does not depend on
+the rows beside it), so greedy speculation in steps of decodes alone keeps plain decoding's tokens
+(a draft verified beside a prompt chunk is not in a decode batch). The decode stack (models/fused_decode.py) takes such steps with one row per
 sequence (no drafts).
 """
 from __future__ import annotations

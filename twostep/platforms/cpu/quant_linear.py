@@ -12,8 +12,8 @@ a time into a buffer in its L2 cache, in the layout oneDNN's brgemm micro-kernel
 multiplies every row against them, at the rate of oneDNN's product on pre-packed bf16 weights
 (0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
 linear.py). Float32 activations (what `auto` picks on CPUs without native bf16) take the kernel's
-gemm_f32 the same way where torch's float brgemm runs (oneDNN's, on AVX2 and up), from 9 rows (33
-for 8-bit codes): 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
+gemm_f32 the same way where torch's float brgemm runs (oneDNN's) on AVX2 builds (AVX-512 ones keep
+the tiles: not measured there), from 9 rows (33 for 8-bit codes): 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
 ~85% of the cores' float32 peak on an AVX2-only Zen 1 (1.6-2.1x the dequantized tiles at 64 rows,
 1.1-1.3x at 512; float32 math, where the passes below it round activations to int16). Other dtypes
 and layouts dequantize the weight a tile of rows at a time into the model's dtype and multiply with
@@ -89,7 +89,9 @@ class QuantizedLinearMethod:
         self.int8_rows = kernel.int8_min_rows()   # 1 where the small-row kernel is (the panel layout), else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
-        self.f32_gemm = kernel.has_f32_gemm()     # float32 rows x the panel layout through brgemm
+        # float32 rows x the panel layout through brgemm: measured on AVX2 (Zen 1) only, so builds
+        # with the 8-row pass (AVX-512) keep their passes and tiles for float32
+        self.f32_gemm = kernel.has_f32_gemm() and not self.wide_pass
         where = {"off": "", "decode": f", int8 activations in decode batches from {self.int8_rows} rows",
                  "all": f", int8 activations from {self.int8_rows} rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
