@@ -1480,6 +1480,25 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
   }
 }
 
+#ifdef TWOSTEP_AVX2
+// whether torch's brgemm multiplies T x T -> float here (a 1 x 16 x 32 product of ones), probed once
+template <typename T>
+bool brgemm_runs() {
+  static const bool runs = [] {
+    try {
+      std::vector<T> a(32, T(1.f)), b(32 * 16, T(1.f));
+      std::vector<float> c(16);
+      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data());
+      at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);   // float's brgemm is not VNNI-packed
+      return c[0] == 32.f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return runs;
+}
+#endif
+
 // ---- gemm_bf16: bf16 rows against the panel layout through oneDNN's brgemm ----
 // torch's brgemm with add_C (the CPUBLAS_BRGEMM_* macros came with it); older torch keeps the tiles
 #if defined(TWOSTEP_AVX2) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__) && \
@@ -1605,20 +1624,7 @@ void gemm_bf16_panels(const Planes& p, int64_t n, int64_t m, const at::BFloat16*
 
 // whether this build has gemm_bf16 and torch's brgemm multiplies bf16 on this CPU (oneDNN's
 // ukernel: AVX512-BF16 or AMX)
-bool brgemm_bf16_runs() {
-  static const bool runs = [] {
-    try {
-      std::vector<at::BFloat16> a(32, at::BFloat16(1.f)), b(32 * 16, at::BFloat16(1.f));
-      std::vector<float> c(16);
-      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data());
-      at::native::cpublas::brgemm_release();
-      return c[0] == 32.f;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
-  return runs;
-}
+bool brgemm_bf16_runs() { return brgemm_runs<at::BFloat16>(); }
 #else
 bool brgemm_bf16_runs() { return false; }
 #endif
@@ -1715,19 +1721,7 @@ void gemm_f32_panels(const Planes& p, int64_t n, int64_t m, const float* x, int6
 }
 
 // whether torch's float brgemm runs here (oneDNN's, where its CPU check passes; else torch's own loop)
-bool brgemm_f32_runs() {
-  static const bool runs = [] {
-    try {
-      std::vector<float> a(32, 1.f), b(32 * 16, 1.f), c(16);
-      at::native::cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data());
-      at::native::cpublas::brgemm_release(false);
-      return c[0] == 32.f;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
-  return runs;
-}
+bool brgemm_f32_runs() { return brgemm_runs<float>(); }
 #else
 bool brgemm_f32_runs() { return false; }
 #endif
