@@ -13,17 +13,23 @@ int16 matrix-vector passes (--cpu-int8-activations off) and the int8 product (th
 bf16 model's decode, where the kernel takes the format at that many rows). The products and the
 read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
 GB/s of packed weights and the share of the read's rate, medians.
+
+Each linear is called as the decode stack calls it (models/fused_decode.py: its FusedLinear, the
+kernel's op through the dispatcher from C++, an output allocated a call); --python-layers calls
+QuantizedLinearMethod.matmul instead, the general Python path (tens of microseconds a call more on a
+slow core: 97 calls of it were ~10% of a Q8_0 round on a Zen 1).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from twostep.kernels import quant_linear
+from twostep.kernels import decode_step, quant_linear
 from twostep.platforms import get_platform
 from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod
 from twostep.quantization.packed import PackedFormat, QuantizedWeight, pack
@@ -55,10 +61,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--activations", nargs="+", default=["int16", "int8"], choices=["int16", "int8"])
+    ap.add_argument("--python-layers", action="store_true",
+                    help="call QuantizedLinearMethod.matmul per linear instead of the decode stack's linears")
     args = ap.parse_args()
-    kernel = quant_linear()
-    if kernel is None:
-        raise SystemExit("the quantized kernel could not be built here (needs g++ and ninja)")
+    kernel, stack = quant_linear(), decode_step()
+    if kernel is None or stack is None:
+        raise SystemExit("the quantized kernel or the decode stack could not be built here (needs g++ and ninja)")
     methods = {"int16": QuantizedLinearMethod(kernel), "int8": QuantizedLinearMethod(kernel, int8_activations="all")}
     rng = np.random.default_rng(0)
     shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
@@ -78,7 +86,7 @@ def main() -> None:
             x = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in shapes}}
             takes = [a for a in args.activations
                      if a == "int16" or (bits in methods[a].int8_bits and methods[a].int8_for(x[896]))]
-            paths = {a: (lambda m=methods[a]: [m.matmul(w, x[w.k]) for w in weights]) for a in takes}
+            paths = {a: round_of_linears(methods[a], weights, x, stack, args.python_layers) for a in takes}
             paths["read"] = flat.sum
             times = {p: [] for p in paths}
             for _ in range(args.reps):
@@ -90,6 +98,16 @@ def main() -> None:
             products = " | ".join(f"{p} {statistics.median(t) * 1e3:6.1f} ms {nbytes / statistics.median(t) / 1e9:5.1f} "
                                   f"GB/s ({read_s / statistics.median(t):.0%})" for p, t in times.items())
             print(f"  rows {rows}: {products} | read {read_s * 1e3:6.1f} ms {nbytes / read_s / 1e9:5.1f} GB/s")
+
+
+def round_of_linears(method: QuantizedLinearMethod, weights: list[QuantizedWeight], x: dict, stack, python: bool):
+    """One round of the linears with `method`'s activations: through the decode stack's linears (the
+    int8 product where the method takes it at these rows), or through matmul."""
+    if python:
+        return lambda: [method.matmul(w, x[w.k]) for w in weights]
+    linears = [(method.fused(SimpleNamespace(out_features=w.n, plain_bias=None, quantized=w), stack,
+                             torch.bfloat16)[0], x[w.k]) for w in weights]
+    return lambda: [linear(xk) for linear, xk in linears]
 
 
 if __name__ == "__main__":
