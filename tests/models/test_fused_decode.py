@@ -75,8 +75,14 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
     method = engine.model.model.layers[0].mlp.down_proj.method
     int8 = method.int8_mode != "off"
     int8_takes_all = int8 and {"int8": 8, "int4": 4}[quantization] in method.int8_bits
-    # the quantized matrix-vector kernel's rows; any where the int8 product takes 8 rows and more
-    assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else 8)
+    # the rows the quantized matrix-vector passes take in one call (the panel layout: all of a
+    # step's, up to where the layers leave the passes); any where the int8 product takes every row
+    parts = [p for layer in engine.model.model.layers
+             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+             for p in linear.quantized.parts]
+    passes = min(method.pass_rows(p, engine.dtype) for p in parts)
+    assert passes >= 8
+    assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else passes)
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0
@@ -123,6 +129,22 @@ def test_a_decode_batch_of_twelve_takes_the_stack_with_int8_activations(tiny_mod
     plain = outputs(make(tiny_model_dir("llama"), **{**kw, "cpu_int8_activations": "off"}), prompts)
     assert [p[1][0] for p in plain] == [f[1][0] for f in fused]     # prompt forward: same logprobs
     assert plain != fused                                         # decode batches: int8
+
+
+def test_a_decode_batch_of_twelve_takes_the_stack_with_passes_of_twelve_rows(tiny_model_dir):
+    """8-bit weights with 16-bit activations (no int8 product): a decode batch of twelve goes through
+    the stack, each linear's passes one call of twelve rows in the panel layout (the weights read
+    once), and computes what the layers compute."""
+    kw = dict(dtype="bfloat16", quantization="int8", cpu_int8_activations="off", max_num_batched_tokens=256)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(12)]
+    engine = stack_or_skip(make(tiny_model_dir("llama"), **kw))
+    if not engine.model.model.layers[0].mlp.down_proj.quantized.parts[0].panels:
+        pytest.skip("the row layout here (the portable build): passes of 8 rows a call")
+    assert engine.model.fused_decode.max_rows >= 12
+    counted = CountedStack(engine)
+    fused = outputs(engine, prompts)
+    assert counted.taken == PARAMS.max_tokens - 1            # every decode step, twelve rows each
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **kw)), prompts)
 
 
 def test_a_prompts_last_token_beside_decodes_is_not_a_decode_batch(tiny_model_dir):

@@ -288,6 +288,25 @@ def in_passes(kernel, part, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q6_K])
+def test_panel_passes_take_a_batch_in_one_call(qtype):
+    """Up to panel_pass_rows() rows in one call of the panel layout's passes (the weights read once),
+    each row's sums those of calls of 8 rows bit for bit; one row more: a clear error."""
+    kernel = panel_kernel()
+    part = QuantizedLinearMethod(kernel).prepare(
+        QuantizedWeight((pack_gguf(random_blocks(qtype, 64, 256, seed=3), qtype, 64, 256),))).parts[0]
+    assert part.panels
+    limit = kernel.panel_pass_rows()
+    x = torch.randn(limit + 1, 256, generator=torch.Generator().manual_seed(11))
+    args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
+    for rows in (9, 32, limit):
+        out = torch.empty(rows, part.n)
+        kernel.gemv(x[:rows], *args, out)
+        assert torch.equal(out, in_passes(kernel, part, x[:rows]))
+    with pytest.raises(RuntimeError, match="rows"):
+        kernel.gemv(x, *args, torch.empty(limit + 1, part.n))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 40, 64, 96])
 @pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
 def test_panel_layout_product(qtype, n, k, rows):
@@ -464,8 +483,8 @@ def test_bytes_held_match_the_packed_layout(qtype, bits):
 def test_wide_pass_builds_take_more_rows_in_passes():
     """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 fp16 rows in passes
     of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles), bf16
-    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows up to 8 (8-bit codes:
-    32) where an AVX2 build has gemm_f32; row layouts and other builds 32."""
+    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows up to 8 where an AVX2
+    build has gemm_f32; row layouts and other builds 32."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
@@ -474,7 +493,7 @@ def test_wide_pass_builds_take_more_rows_in_passes():
         assert method.gemv_max_rows(w, torch.bfloat16) == GEMV_MAX_ROWS            # the row layout
         assert method.gemv_max_rows(w, torch.float32) == GEMV_MAX_ROWS
     f32 = [method.gemv_max_rows(method.prepare(w), torch.float32) for w in weights.values()]
-    assert f32 == ([8, 32, 8] if kernel.has_f32_gemm() and not kernel.wide_pass() else [GEMV_MAX_ROWS] * 3)
+    assert f32 == ([8, 8, 8] if kernel.has_f32_gemm() and not kernel.wide_pass() else [GEMV_MAX_ROWS] * 3)
     if not kernel.wide_pass():
         pytest.skip("this build has no 8-row pass (AVX2 or portable)")
     assert [method.gemv_max_rows(method.prepare(w), torch.float16) for w in weights.values()] == [64, 64, 32]
@@ -588,16 +607,15 @@ def test_f32_gemm_is_the_prefill_product():
         pytest.skip("AVX-512 builds keep the tiles for float32 rows (gemm_f32 is measured on AVX2)")
     parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_K, 64), (QType.Q8_0, 16))]
     weight = method.prepare(QuantizedWeight.stack(parts))
-    x = torch.randn(F32_GEMM_GEMV_MAX_ROWS[8] + 1, 256)
+    x = torch.randn(F32_GEMM_GEMV_MAX_ROWS + 1, 256)
     with torch.profiler.profile() as prof:
         got = method.matmul(weight, x)
     names = [e.name for e in prof.events()]
     assert names.count("twostep::quant_gemm_f32") == 2 and "twostep::quant_dequantize_rows" not in names
-    x = x[:F32_GEMM_GEMV_MAX_ROWS[4] + 1]                # the 4-bit part's, not the 8-bit part's
-    with torch.profiler.profile() as prof:
-        method.matmul(weight, x)
+    with torch.profiler.profile() as prof:      # up to the crossover: each part's passes in one call
+        method.matmul(weight, x[:F32_GEMM_GEMV_MAX_ROWS])
     names = [e.name for e in prof.events()]
-    assert names.count("twostep::quant_gemm_f32") == 1 and names.count("twostep::quant_gemv") == 2
+    assert names.count("twostep::quant_gemm_f32") == 0 and names.count("twostep::quant_gemv") == 2
     x = torch.randn(70, 256)
     got = method.matmul(weight, x)
     method.f32_gemm = False                  # the tiles, as a CPU without it runs them: the same product

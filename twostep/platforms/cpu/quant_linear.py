@@ -13,7 +13,7 @@ multiplies every row against them, at the rate of oneDNN's product on pre-packed
 (0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
 linear.py). Float32 activations (what `auto` picks on CPUs without native bf16) take the kernel's
 gemm_f32 the same way where torch's float brgemm runs (oneDNN's) on AVX2 builds (AVX-512 ones keep
-the tiles: not measured there), from 9 rows (33 for 8-bit codes): 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
+the tiles: not measured there), from 9 rows: 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
 ~85% of the cores' float32 peak on an AVX2-only Zen 1 (1.6-2.1x the dequantized tiles at 64 rows,
 1.1-1.3x at 512; float32 math, where the passes below it round activations to int16). Other dtypes
 and layouts dequantize the weight a tile of rows at a time into the model's dtype and multiply with
@@ -54,7 +54,8 @@ from twostep.platforms.cpu.huge_pages import HugePageArena
 from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
-GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one pass over the weights
+GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one call in the row layout (the
+                           # panel layout: kernel.panel_pass_rows(), all of a step's passes in one)
 INT8_TILE_ROWS = 8         # the int8 product's rows without its small-row kernel (the row layout)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
@@ -67,9 +68,10 @@ WIDE_GEMV_MAX_ROWS = {4: 64, 5: 48, 6: 32, 8: 64}
 BF16_GEMM_GEMV_MAX_ROWS = 16
 # ... and for float32 activations where the kernel has gemm_f32 (AVX2 CPUs; the same linears, Zen 1:
 # gemm_f32 1.01-1.22x the passes at 8 rows for 4 to 6-bit codes, 1.26-1.49x at 16; 8-bit codes,
-# whose passes need no decoding, 0.74x at 8, 0.93x at 16, 1.11x at 32); float32 math, which the
-# passes' int16 activations are not
-F32_GEMM_GEMV_MAX_ROWS = {4: 8, 5: 8, 6: 8, 8: 32}
+# whose passes need no decoding, 0.86-0.88x at 8, 1.05-1.12x at 12, 1.06-1.09x at 16, 1.3x at 24 and
+# 32, against the passes in one call; 2026-12-05, the weights and the head of a quarter of the Qwen
+# shape); float32 math, which the passes' int16 activations are not
+F32_GEMM_GEMV_MAX_ROWS = 8
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
 
@@ -151,8 +153,9 @@ class QuantizedLinearMethod:
     def fused(self, layer, kernel, dtype: torch.dtype):
         """One quant_gemv per part into its columns, and where int8 activations apply in a
         decode batch (the decode stack's steps are decode batches; any dtype) quant_gemm_int8 from
-        part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to GEMV_ROWS rows; any
-        number where every part takes the int8 product.
+        part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to the rows the
+        passes of the other parts take in one call (pass_rows); any number where every part takes
+        the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
         if self.kernel is not kernels.quant_linear():
@@ -162,8 +165,14 @@ class QuantizedLinearMethod:
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
             linear.add_quantized(*part.planes(), *_format_args(part), self.part_int8_rows(part) if int8 else 0)
-        every_part_int8 = all(p.fmt.bits in int8_bits for p in layer.quantized.parts)
-        return linear, None if every_part_int8 else GEMV_ROWS
+        passes = [self.pass_rows(p, dtype) for p in layer.quantized.parts if p.fmt.bits not in int8_bits]
+        return linear, min(passes, default=None)
+
+    def pass_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
+        """The most rows of `dtype` one call of the passes takes where the layers take passes too: in
+        the panel layout every row up to part_gemv_max_rows (the weights stream once), in the row
+        layout GEMV_ROWS."""
+        return min(self.part_gemv_max_rows(part, dtype), self.kernel.panel_pass_rows()) if part.panels else GEMV_ROWS
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
@@ -193,8 +202,9 @@ class QuantizedLinearMethod:
         bf16 (gemm_f32 for float32) against the panel layout where the kernel has it, else
         dequantized tiles."""
         if x.shape[0] <= self.part_gemv_max_rows(part, x.dtype):
-            for first in range(0, x.shape[0], GEMV_ROWS):
-                rows = slice(first, first + GEMV_ROWS)
+            step = self.kernel.panel_pass_rows() if part.panels else GEMV_ROWS
+            for first in range(0, x.shape[0], step):
+                rows = slice(first, first + step)
                 self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows])
         elif self._takes_bf16_gemm(part, x.dtype):
             self.kernel.gemm_bf16(x, *part.planes(), *_format_args(part), out)
@@ -221,7 +231,7 @@ class QuantizedLinearMethod:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than the
         matrix-matrix product (the measured crossovers above)."""
         if self._takes_f32_gemm(part, dtype):
-            return F32_GEMM_GEMV_MAX_ROWS.get(part.fmt.bits, GEMV_MAX_ROWS)
+            return F32_GEMM_GEMV_MAX_ROWS
         if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
         if self._takes_bf16_gemm(part, dtype):
