@@ -15,7 +15,8 @@ read run interleaved round by round (this machine's bandwidth moves between leve
 GB/s of packed weights and the share of the read's rate, medians.
 
 Each linear is called as the decode stack calls it (models/fused_decode.py: its FusedLinear, the
-kernel's op through the dispatcher from C++, an output allocated a call); --python-layers calls
+kernel's op through the dispatcher from C++, an output allocated a call), where the stack takes that
+many rows (else as the layers do, through QuantizedLinearMethod.matmul); --python-layers calls
 QuantizedLinearMethod.matmul instead, the general Python path (tens of microseconds a call more on a
 slow core: 97 calls of it were ~10% of a Q8_0 round on a Zen 1).
 """
@@ -102,12 +103,15 @@ def main() -> None:
 
 def round_of_linears(method: QuantizedLinearMethod, weights: list[QuantizedWeight], x: dict, stack, python: bool):
     """One round of the linears with `method`'s activations: through the decode stack's linears (the
-    int8 product where the method takes it at these rows), or through matmul."""
-    if python:
-        return lambda: [method.matmul(w, x[w.k]) for w in weights]
-    linears = [(method.fused(SimpleNamespace(out_features=w.n, plain_bias=None, quantized=w), stack,
-                             torch.bfloat16)[0], x[w.k]) for w in weights]
-    return lambda: [linear(xk) for linear, xk in linears]
+    int8 product where the method takes it at these rows) where the stack would take these rows,
+    else (or with python) through matmul."""
+    calls = []
+    for w in weights:
+        linear, limit = method.fused(SimpleNamespace(out_features=w.n, plain_bias=None, quantized=w), stack,
+                                     torch.bfloat16)
+        stack_takes = not python and (limit is None or x[w.k].shape[0] <= limit)
+        calls.append((linear if stack_takes else (lambda xk, w=w: method.matmul(w, xk)), x[w.k]))
+    return lambda: [call(xk) for call, xk in calls]
 
 
 if __name__ == "__main__":

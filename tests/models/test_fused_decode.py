@@ -6,6 +6,7 @@ and that where it cannot apply (8-bit KV, the reference attention backend) the l
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import run_all, smollm_path
 from twostep import EngineConfig, LLMEngine, SamplingParams
@@ -80,7 +81,7 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
     parts = [p for layer in engine.model.model.layers
              for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
              for p in linear.quantized.parts]
-    passes = min(method.pass_rows(p, engine.dtype) for p in parts)
+    passes = min(method.call_rows(p, engine.dtype) for p in parts)
     assert passes >= 8
     assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else passes)
     counted = CountedStack(engine)
@@ -142,8 +143,11 @@ def test_a_decode_batch_of_twelve_takes_the_stack_with_passes_of_twelve_rows(tin
         pytest.skip("the row layout here (the portable build): passes of 8 rows a call")
     assert engine.model.fused_decode.max_rows >= 12
     counted = CountedStack(engine)
-    fused = outputs(engine, prompts)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fused = outputs(engine, prompts)
     assert counted.taken == PARAMS.max_tokens - 1            # every decode step, twelve rows each
+    calls = [e.input_shapes[0][0] for e in prof.events() if e.name == "twostep::quant_gemv" and e.input_shapes]
+    assert calls and set(calls) == {12}                      # each linear's passes: one call of the twelve rows
     assert fused == outputs(layer_by_layer(make(tiny_model_dir("llama"), **kw)), prompts)
 
 

@@ -290,13 +290,13 @@ def in_passes(kernel, part, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q6_K])
 def test_panel_passes_take_a_batch_in_one_call(qtype):
-    """Up to panel_pass_rows() rows in one call of the panel layout's passes (the weights read once),
+    """Up to panel_call_rows() rows in one call of the panel layout's passes (the weights read once),
     each row's sums those of calls of 8 rows bit for bit; one row more: a clear error."""
     kernel = panel_kernel()
     part = QuantizedLinearMethod(kernel).prepare(
         QuantizedWeight((pack_gguf(random_blocks(qtype, 64, 256, seed=3), qtype, 64, 256),))).parts[0]
     assert part.panels
-    limit = kernel.panel_pass_rows()
+    limit = kernel.panel_call_rows()
     x = torch.randn(limit + 1, 256, generator=torch.Generator().manual_seed(11))
     args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
     for rows in (9, 32, limit):

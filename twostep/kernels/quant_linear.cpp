@@ -81,9 +81,9 @@ struct Planes {
 };
 
 // The most rows one call of the panel layout's passes takes: all of them against a panel while it is
-// in L1, so the weights stream once (calls of 8 rows streamed a 32-row decode batch's weights four
+// in L1 (L2 for long rows: an 8-bit panel of k = 4,864 is 39 KB), so the weights stream once (calls of 8 rows streamed a 32-row decode batch's weights four
 // times: Qwen-shape Q8_0 on a Zen 1 at 19.8 G products/s against 24.1 at 8 rows)
-constexpr int64_t kPanelPassRows = 64;
+constexpr int64_t kPanelCallRows = 64;
 
 constexpr int qs_bytes(int bits) { return bits == 8 ? 32 : 16; }
 constexpr int qh_bytes(int bits) { return bits == 5 ? 4 : bits == 6 ? 8 : 0; }
@@ -459,7 +459,7 @@ inline void dequantize_block(const uint8_t* qs, const uint8_t* qh, float d0, flo
   dequantize_codes<BITS>(decode_block<BITS>(qs, qh), d0, o0, d1, o1, out);
 }
 
-// ---- the panel layout's matrix-vector product (1-8 rows) ----
+// ---- the panel layout's matrix-vector product (a few rows: up to kPanelCallRows a call) ----
 
 // high shifted left by SHIFT (negative: right) in 16-bit lanes
 template <int SHIFT>
@@ -631,10 +631,10 @@ inline void store_rounded(const float* in, out_t* out, int n) {
 template <int BITS, bool G16, typename out_t>
 void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
-    float r[kPanelPassRows][kPanel];
+    float r[kPanelCallRows][kPanel];
     for (int64_t panel = begin; panel < end; ++panel) {
-      // 8 rows in one pass where the registers hold their sums (AVX-512's 32); else, and for 5-7
-      // rows, passes of up to 4 over the panel, the second from L1
+      // 8 rows in one pass where the registers hold their sums (AVX-512's 32); else, and for the
+      // last 1-7 rows, passes of up to 4 over the panel, all but the first from L1 (or L2)
       for (int64_t m0 = 0; m0 < m;) {
         const int64_t rows = m - m0 >= 8 && kWidePass ? 8 : std::min<int64_t>(4, m - m0);
         switch (rows) {
@@ -1733,7 +1733,7 @@ bool brgemm_f32_runs() { return false; }
 
 }  // namespace
 
-// out[m, :n] = x[m] . w^T for x [M, k], M <= 8 in the row layout, <= kPanelPassRows in the panel
+// out[m, :n] = x[m] . w^T for x [M, k], M <= 8 in the row layout, <= kPanelCallRows in the panel
 // layout; out is [M, n] with unit column stride, float32 or x's dtype (the sums are float32 either
 // way; a bf16 / fp16 out saves the caller a cast). Each row's sums are the same at any M.
 void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
@@ -1746,7 +1746,7 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
   TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
   TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
-  TORCH_CHECK(m <= (p.panels ? kPanelPassRows : 8), "gemv takes 1 to ", p.panels ? kPanelPassRows : 8,
+  TORCH_CHECK(m <= (p.panels ? kPanelCallRows : 8), "gemv takes 1 to ", p.panels ? kPanelCallRows : 8,
               " rows in this layout; got ", m);
   QuantizedActivations a;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_activations", [&] {
@@ -2071,8 +2071,8 @@ TWOSTEP_IMPL(TWOSTEP_OPS, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "quantized matrix-vector product for a few rows (panel_pass_rows()), int16 activations");
-  m.def("panel_pass_rows", [] { return kPanelPassRows; }, "the most rows gemv takes in the panel layout (8 in the row layout)");
+  m.def("gemv", &gemv, "quantized matrix-vector product for a few rows (panel_call_rows()), int16 activations");
+  m.def("panel_call_rows", [] { return kPanelCallRows; }, "the most rows gemv takes in the panel layout (8 in the row layout)");
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("int8_bits", &int8_bits, "the code widths this build's int8 product takes");

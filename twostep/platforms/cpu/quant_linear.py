@@ -55,7 +55,7 @@ from twostep.platforms.step_kind import in_decode_batch
 from twostep.quantization.packed import PackedWeight, QuantizedWeight
 
 GEMV_ROWS = 8              # rows the matrix-vector kernel takes in one call in the row layout (the
-                           # panel layout: kernel.panel_pass_rows(), all of a step's passes in one)
+                           # panel layout: kernel.panel_call_rows(), all of a step's passes in one)
 INT8_TILE_ROWS = 8         # the int8 product's rows without its small-row kernel (the row layout)
 GEMV_MAX_ROWS = 32         # up to this many rows, passes of GEMV_ROWS beat dequantized tiles (measured)
 # the same for 16-bit activations with the 8-row pass of AVX-512 builds, by code width (Qwen2.5-0.5B-
@@ -154,7 +154,7 @@ class QuantizedLinearMethod:
         """One quant_gemv per part into its columns, and where int8 activations apply in a
         decode batch (the decode stack's steps are decode batches; any dtype) quant_gemm_int8 from
         part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to the rows the
-        passes of the other parts take in one call (pass_rows); any number where every part takes
+        passes of the other parts take in one call (call_rows); any number where every part takes
         the int8 product.
         The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
         portable build's is twostep_portable::): any other kernel is not fused."""
@@ -165,14 +165,22 @@ class QuantizedLinearMethod:
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
         for part in layer.quantized.parts:
             linear.add_quantized(*part.planes(), *_format_args(part), self.part_int8_rows(part) if int8 else 0)
-        passes = [self.pass_rows(p, dtype) for p in layer.quantized.parts if p.fmt.bits not in int8_bits]
+        passes = [self.call_rows(p, dtype) for p in layer.quantized.parts if p.fmt.bits not in int8_bits]
         return linear, min(passes, default=None)
 
-    def pass_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
+    def call_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` one call of the passes takes where the layers take passes too: in
         the panel layout every row up to part_gemv_max_rows (the weights stream once), in the row
-        layout GEMV_ROWS."""
-        return min(self.part_gemv_max_rows(part, dtype), self.kernel.panel_pass_rows()) if part.panels else GEMV_ROWS
+        layout GEMV_ROWS. With oneDNN's crossovers whether or not a user has turned oneDNN off now
+        (the smaller: the decode stack built with this limit stays with the layers either way)."""
+        if not part.panels:
+            return GEMV_ROWS
+        rows = self.part_gemv_max_rows(part, dtype)
+        if self.f32_gemm and dtype == torch.float32:          # the crossovers with oneDNN on
+            rows = min(rows, F32_GEMM_GEMV_MAX_ROWS)
+        if self.bf16_gemm and dtype == torch.bfloat16:
+            rows = min(rows, BF16_GEMM_GEMV_MAX_ROWS)
+        return min(rows, self.kernel.panel_call_rows())
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
@@ -202,7 +210,7 @@ class QuantizedLinearMethod:
         bf16 (gemm_f32 for float32) against the panel layout where the kernel has it, else
         dequantized tiles."""
         if x.shape[0] <= self.part_gemv_max_rows(part, x.dtype):
-            step = self.kernel.panel_pass_rows() if part.panels else GEMV_ROWS
+            step = self.kernel.panel_call_rows() if part.panels else GEMV_ROWS
             for first in range(0, x.shape[0], step):
                 rows = slice(first, first + step)
                 self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows])
