@@ -90,6 +90,7 @@ class QuantizedLinearMethod:
         self.int8_bits = frozenset(kernel.int8_bits()) if self.int8_mode != "off" else frozenset()   # code widths it takes
         self.int8_rows = kernel.int8_min_rows()   # 1 where the small-row kernel is (the panel layout), else 8
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
+        self.panel_call_rows = kernel.panel_call_rows()   # rows one call of the panel layout's passes takes
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
         # float32 rows x the panel layout through brgemm: measured on AVX2 (Zen 1) only, so builds
         # with the 8-row pass (AVX-512) keep their passes and tiles for float32
@@ -175,12 +176,8 @@ class QuantizedLinearMethod:
         (the smaller: the decode stack built with this limit stays with the layers either way)."""
         if not part.panels:
             return GEMV_ROWS
-        rows = self.part_gemv_max_rows(part, dtype)
-        if self.f32_gemm and dtype == torch.float32:          # the crossovers with oneDNN on
-            rows = min(rows, F32_GEMM_GEMV_MAX_ROWS)
-        if self.bf16_gemm and dtype == torch.bfloat16:
-            rows = min(rows, BF16_GEMM_GEMV_MAX_ROWS)
-        return min(rows, self.kernel.panel_call_rows())
+        return min(self.part_gemv_max_rows(part, dtype), self.part_gemv_max_rows(part, dtype, onednn=True),
+                   self.panel_call_rows)
 
     def matmul(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] @ weight^T -> [m, n] in x's dtype."""
@@ -210,7 +207,7 @@ class QuantizedLinearMethod:
         bf16 (gemm_f32 for float32) against the panel layout where the kernel has it, else
         dequantized tiles."""
         if x.shape[0] <= self.part_gemv_max_rows(part, x.dtype):
-            step = self.kernel.panel_call_rows() if part.panels else GEMV_ROWS
+            step = self.panel_call_rows if part.panels else GEMV_ROWS
             for first in range(0, x.shape[0], step):
                 rows = slice(first, first + step)
                 self.kernel.gemv(x[rows], *part.planes(), *_format_args(part), out[rows])
@@ -224,25 +221,28 @@ class QuantizedLinearMethod:
                 ids = torch.arange(first, min(first + rows, part.n))
                 out[:, first:first + ids.numel()] = F.linear(x, self.dequantize(part, ids, x.dtype))
 
-    def _takes_bf16_gemm(self, part: PackedWeight, dtype: torch.dtype) -> bool:
-        # brgemm is oneDNN's: off while a user turns oneDNN off (torch.backends.mkldnn.flags)
-        return self.bf16_gemm and dtype == torch.bfloat16 and part.panels and torch.backends.mkldnn.enabled
+    def _takes_bf16_gemm(self, part: PackedWeight, dtype: torch.dtype, onednn: bool | None = None) -> bool:
+        # brgemm is oneDNN's: off while a user turns oneDNN off (torch.backends.mkldnn.flags);
+        # onednn: as if it were on (True) or off, rather than as it is now
+        on = torch.backends.mkldnn.enabled if onednn is None else onednn
+        return self.bf16_gemm and dtype == torch.bfloat16 and part.panels and on
 
-    def _takes_f32_gemm(self, part: PackedWeight, dtype: torch.dtype) -> bool:
-        return self.f32_gemm and dtype == torch.float32 and part.panels and torch.backends.mkldnn.enabled
+    def _takes_f32_gemm(self, part: PackedWeight, dtype: torch.dtype, onednn: bool | None = None) -> bool:
+        on = torch.backends.mkldnn.enabled if onednn is None else onednn
+        return self.f32_gemm and dtype == torch.float32 and part.panels and on
 
     def gemv_max_rows(self, weight: QuantizedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` that every part takes in passes of the matrix-vector product."""
         return min(self.part_gemv_max_rows(p, dtype) for p in weight.parts)
 
-    def part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
+    def part_gemv_max_rows(self, part: PackedWeight, dtype: torch.dtype, onednn: bool | None = None) -> int:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than the
-        matrix-matrix product (the measured crossovers above)."""
-        if self._takes_f32_gemm(part, dtype):
+        matrix-matrix product (the measured crossovers above); onednn as in _takes_bf16_gemm."""
+        if self._takes_f32_gemm(part, dtype, onednn):
             return F32_GEMM_GEMV_MAX_ROWS
         if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
-        if self._takes_bf16_gemm(part, dtype):
+        if self._takes_bf16_gemm(part, dtype, onednn):
             return BF16_GEMM_GEMV_MAX_ROWS
         return WIDE_GEMV_MAX_ROWS.get(part.fmt.bits, GEMV_MAX_ROWS)
 
