@@ -76,18 +76,40 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
     method = engine.model.model.layers[0].mlp.down_proj.method
     int8 = method.int8_mode != "off"
     int8_takes_all = int8 and {"int8": 8, "int4": 4}[quantization] in method.int8_bits
-    # the rows the quantized matrix-vector passes take in one call (the panel layout: all of a
-    # step's, up to where the layers leave the passes); any where the int8 product takes every row
-    parts = [p for layer in engine.model.model.layers
-             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-             for p in linear.quantized.parts]
-    passes = min(method.call_rows(p, engine.dtype) for p in parts)
-    assert passes >= 8
-    assert engine.model.fused_decode.max_rows == (1 << 30 if int8_takes_all else passes)
+    # the stack's rows: any where the int8 product takes every row; else the most that every layer
+    # runs as one call of the matrix-vector passes, oneDNN on or off (one more, and some layer
+    # would not: a second call, or a matrix-matrix product)
+    limit = engine.model.fused_decode.max_rows
+    if int8_takes_all:
+        assert limit == 1 << 30
+    else:
+        parts = [p for layer in engine.model.model.layers
+                 for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj)
+                 for p in linear.quantized.parts]
+        assert limit >= 8
+        assert all(one_call_of_passes(method, p, limit, engine.dtype) for p in parts)
+        assert not all(one_call_of_passes(method, p, limit + 1, engine.dtype) for p in parts)
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0
     assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization)))
+
+
+def one_call_of_passes(method, part, rows: int, dtype: torch.dtype) -> bool:
+    """Whether the layers run `rows` rows of one part (16-bit activations) as one call of the
+    matrix-vector passes, both with oneDNN on and with it off (a user may turn it off)."""
+    x, out = torch.randn(rows, part.k).to(dtype), torch.empty(rows, part.n, dtype=dtype)
+    calls, before = [], torch.backends.mkldnn.enabled
+    try:
+        for onednn in (True, False):     # (not mkldnn.flags: it warns about TF32 on a CPU build)
+            torch.backends.mkldnn.enabled = onednn
+            with torch.profiler.profile() as prof:
+                method._plain_part(part, x, out)
+            calls.append([e.name for e in prof.events() if e.name.startswith("twostep::")])
+    finally:
+        torch.backends.mkldnn.enabled = before
+    return calls == [["twostep::quant_gemv"]] * 2
 
 
 def int8_or_skip():
