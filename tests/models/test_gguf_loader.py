@@ -372,6 +372,21 @@ def test_fast_reader_reads_what_gguf_reader_reads(tmp_path, stories_path):
     _assert_reads_as_gguf_reader(stories_path)
 
 
+def test_a_string_array_reads_as_the_list_of_its_strings(stories_path):
+    """The vocabulary and merges are decoded when asked for: item by item (the loader's special
+    tokens), negative indices and slices, out of range an IndexError, as the list GGUFReader gives."""
+    from twostep.models.gguf_file import GGUFFile, StringArray
+
+    tokens = GGUFFile(str(stories_path)).fields["tokenizer.ggml.tokens"]
+    expected = gguf.GGUFReader(stories_path).get_field("tokenizer.ggml.tokens").contents()
+    assert isinstance(tokens, StringArray) and len(tokens) == len(expected) >= 512
+    assert [tokens[i] for i in (0, 1, 2, 300, -1, -len(expected))] == [expected[i] for i in (0, 1, 2, 300, -1, 0)]
+    assert tokens[10:20] == expected[10:20] and tokens[::97] == expected[::97] and list(tokens) == expected
+    assert tokens == expected and tokens != expected[:-1] and tokens != expected[:-1] + ["?"]
+    with pytest.raises(IndexError):
+        tokens[len(expected)]
+
+
 def test_fast_reader_refuses_truncated_and_foreign_files(tmp_path):
     from twostep.models.gguf_file import GGUFFile
 

@@ -41,7 +41,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Tokenizer, processors
 
-from twostep.models.gguf_file import GGUFFile
+from twostep.models.gguf_file import GGUFFile, StringArray
 from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
 
@@ -427,6 +427,8 @@ def _convert_vocabulary(reader: GGUFFile, path: str, special: dict[str, int | No
     # The same metadata transformers' from_pretrained hands to the converter, except that the
     # out-of-range special ids are dropped: transformers' own reading of them crashes.
     tokenizer_dict = {name: _field(reader, f"tokenizer.{key}", path, None) for key, name in key_names.items()}
+    tokenizer_dict = {name: list(value) if isinstance(value, StringArray) else value    # decoded, all
+                      for name, value in tokenizer_dict.items()}
     tokenizer_dict = {name: value for name, value in tokenizer_dict.items()
                       if value is not None and not name.endswith("_token_id")}
     tokenizer_dict |= {f"{name}_token_id": special[name] for name in ("bos", "eos", "unk", "pad")
