@@ -4,10 +4,11 @@ from __future__ import annotations
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.config.kv_transfer import KVTransferConfig
 from twostep.kv_transfer.connector import KVConnector
-from twostep.kv_transfer.zmq_connector import ZmqConnector
-
-CONNECTORS = {"ZmqConnector": ZmqConnector}
 
 
 def make_connector(config: KVTransferConfig, caches: list[KVLayerCache]) -> KVConnector:
-    return CONNECTORS[config.kv_connector](config, caches)
+    # imported here: zmq costs ~20 ms of every start-up, and only disaggregated instances use it
+    from twostep.kv_transfer.zmq_connector import ZmqConnector
+
+    connectors = {"ZmqConnector": ZmqConnector}
+    return connectors[config.kv_connector](config, caches)
