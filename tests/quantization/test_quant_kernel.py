@@ -16,7 +16,7 @@ from twostep import kernels
 from twostep.platforms.cpu.quant_linear import (BF16_GEMM_GEMV_MAX_ROWS, F32_GEMM_GEMV_MAX_ROWS, GEMV_MAX_ROWS,
                                                 QuantizedLinearMethod)
 from twostep.platforms.step_kind import decode_batch
-from twostep.quantization.gguf_blocks import PACKED_TYPES, gguf_bits_per_weight, pack_gguf
+from twostep.quantization.gguf_blocks import PACKED_TYPES, decode_and_pack, gguf_bits_per_weight, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
 from twostep.quantization.quantize import quantize_weight
 
@@ -105,6 +105,10 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
     tol = 0 if exact else SCALE_ROUNDING * ref.abs().max().item()
     torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=tol)
     assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + 0.5
+    # the types whose fields are copied out (not decoded): the planes of decoding every code
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)
+    decoded = decode_and_pack(blocks, qtype, n, k)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(packed.planes(), decoded.planes()))
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])

@@ -132,24 +132,48 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     fmt = PackedFormat(bits, group, has_min, qtype.name)
     if qtype in _SAME_LAYOUT:
         return _split_fields(blocks, qtype, fmt, n, k)
+    return decode_and_pack(blocks, qtype, n, k)
+
+
+def decode_and_pack(blocks: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
+    """Every code decoded, then packed into the planes (pack_gguf's reference, and its way for the
+    K-quants)."""
+    decoder, bits, group, has_min = _DECODERS[qtype]
     codes, scales, mins = decoder(blocks)
-    return pack(codes.reshape(n, k), scales.reshape(n, -1),
-                None if mins is None else mins.reshape(n, -1), fmt)
+    return pack(codes.reshape(n, k), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1),
+                PackedFormat(bits, group, has_min, qtype.name))
 
 
-# Types whose block is [fp16 scale, (fp16 min,) codes] with the codes already as the packed qs
-# plane holds them (8-bit: signed bytes; 4-bit: byte i = weight i | weight i + 16 << 4): their
-# planes are the blocks' fields copied out, with no decode and re-pack (the default
-# file's 211 tensors: 0.32 -> 0.05 s).
-_SAME_LAYOUT = {QType.Q8_0: 2, QType.Q4_0: 2, QType.Q4_1: 4}      # type -> offset of the codes
+# Types whose block is [fp16 scale, (fp16 min,) (32 fifth bits,) codes] with the codes as the packed
+# qs plane holds them (8-bit: signed bytes; 4-bit nibbles: byte i = weight i | weight i + 16 << 4):
+# their planes are the blocks' fields copied out, the fifth bits regrouped (_fifth_bits), with no
+# decode and re-pack (the default file's 211 tensors: 0.32 -> 0.05 s; the Qwen-shape Q4_K_M file's,
+# mostly Q5_0 where rows of 896 are not whole K-quant blocks: 6.3 -> 1.5-1.8 s on a Zen 1).
+_SAME_LAYOUT = {QType.Q8_0: (2, None), QType.Q4_0: (2, None), QType.Q4_1: (4, None),   # type -> offsets
+                QType.Q5_0: (6, 2), QType.Q5_1: (8, 4)}                                # of codes, fifth bits
 
 
 def _split_fields(blocks: np.ndarray, qtype: QType, fmt: PackedFormat, n: int, k: int) -> PackedWeight:
-    codes_at = _SAME_LAYOUT[qtype]
+    codes_at, high_at = _SAME_LAYOUT[qtype]
     qs = blocks[:, codes_at:].view(np.int8) if fmt.bits == 8 else blocks[:, codes_at:]
 
     def plane(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
 
-    return PackedWeight(fmt, n, k, plane(qs), None, plane(blocks[:, :2].view(np.float16)),
+    qh = None if high_at is None else plane(_fifth_bits(blocks[:, high_at:high_at + 4]))
+    return PackedWeight(fmt, n, k, plane(qs), qh, plane(blocks[:, :2].view(np.float16)),
                         plane(blocks[:, 2:4].view(np.float16)) if fmt.has_min else None)
+
+
+def _fifth_bits(words: np.ndarray) -> np.ndarray:
+    """GGUF's fifth bits, bit i of a block's little-endian 32-bit word for weight i, as the qh plane
+    holds them: byte i % 4, bit i // 4 (packed.py). Byte b gathers bits b, b + 4, ..., b + 28 of the
+    word, moved together in three steps of shifts and masks."""
+    w = np.ascontiguousarray(words).view("<u4").reshape(-1)
+    out = np.empty((w.size, 4), dtype=np.uint8)
+    for b in range(4):
+        x = (w >> b) & 0x11111111                 # bits 4t
+        x = (x | (x >> 3)) & 0x03030303           # pairs at 8s, 8s + 1
+        x = (x | (x >> 6)) & 0x000F000F           # nibbles at 0 and 16
+        out[:, b] = ((x | (x >> 12)) & 0xFF).astype(np.uint8)
+    return out
