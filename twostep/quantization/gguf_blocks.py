@@ -1,9 +1,10 @@
 """GGUF's quantized block types, rearranged into twostep's packed layout (quantization/packed.py).
 
-Each decoder takes a tensor's raw blocks and returns its integer codes in weight order plus one
-scale (and min) per group; `pack` lays them out for the kernels. No weight is dequantized: the codes
-are GGUF's own, and so are the scales, except that K-quants' super-block scale times sub-block scale
-is rounded to float16 (see packed.py). The layouts follow ggml-quants.c (and gguf.quants, the
+The planes are cut from the blocks' bit fields (byte operations over whole tensors: no code is
+decoded on its own); each type's decoder, which returns the integer codes in weight order plus one
+scale (and min) per group for `pack` to lay out, is the reference the tests hold them to
+(decode_and_pack). No weight is dequantized: the codes are GGUF's own, and so are the scales, except
+that K-quants' super-block scale times sub-block scale is rounded to float16 (see packed.py). The layouts follow ggml-quants.c (and gguf.quants, the
 reference the tests compare against).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES
 
-from twostep.quantization.packed import PackedFormat, PackedWeight, pack
+from twostep.quantization.packed import PackedFormat, PackedWeight, half_plane, pack
 
 QK_K = 256
 
@@ -68,18 +69,21 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     return (q & 0xF).reshape(-1, QK_K)
 
 
-def _q4_k(b):
+def _k_scales(b):
+    """Q4_K / Q5_K: each sub-block's scale (super-block scale x its 6-bit scale) and min (negated)."""
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     sc, mn = _k_scales_mins(b[:, 4:16])
-    return _k_low_nibbles(b[:, 16:]), d * sc, -(dmin * mn)
+    return d * sc, -(dmin * mn)
+
+
+def _q4_k(b):
+    return _k_low_nibbles(b[:, 16:]), *_k_scales(b)
 
 
 def _q5_k(b):
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales_mins(b[:, 4:16])
     qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     codes = _k_low_nibbles(b[:, 48:]) | ((qh & 1).reshape(-1, QK_K) << 4)
-    return codes, d * sc, -(dmin * mn)
+    return codes, *_k_scales(b)
 
 
 def _q6_k(b):
@@ -121,7 +125,7 @@ def held_bytes(qtype: QType, ggml_shape: list[int], file_bytes: int) -> float:
 
 def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     """A GGUF tensor's bytes (rows of blocks) as a PackedWeight [n, k]."""
-    decoder, bits, group, has_min = _DECODERS[qtype]
+    _, bits, group, has_min = _DECODERS[qtype]
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise ValueError(f"{qtype.name} rows of {k} weights are not whole blocks of {block}")
@@ -132,12 +136,17 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     fmt = PackedFormat(bits, group, has_min, qtype.name)
     if qtype in _SAME_LAYOUT:
         return _split_fields(blocks, qtype, fmt, n, k)
+    if qtype in _K_PLANES:
+        qs, qh, scales, mins = _K_PLANES[qtype](blocks)
+        return PackedWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(qs).reshape(n, -1)),
+                            None if qh is None else torch.from_numpy(np.ascontiguousarray(qh).reshape(n, -1)),
+                            half_plane(scales, n, k // group), None if mins is None else half_plane(mins, n, k // group))
     return decode_and_pack(blocks, qtype, n, k)
 
 
 def decode_and_pack(blocks: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
-    """Every code decoded, then packed into the planes (pack_gguf's reference, and its way for the
-    K-quants)."""
+    """Every code decoded, then packed into the planes: the reference for pack_gguf's planes (and
+    its way for a type with no field-wise planes)."""
     decoder, bits, group, has_min = _DECODERS[qtype]
     codes, scales, mins = decoder(blocks)
     return pack(codes.reshape(n, k), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1),
@@ -163,6 +172,49 @@ def _split_fields(blocks: np.ndarray, qtype: QType, fmt: PackedFormat, n: int, k
     qh = None if high_at is None else plane(_fifth_bits(blocks[:, high_at:high_at + 4]))
     return PackedWeight(fmt, n, k, plane(qs), qh, plane(blocks[:, :2].view(np.float16)),
                         plane(blocks[:, 2:4].view(np.float16)) if fmt.has_min else None)
+
+
+# The K-quants' planes straight from their bit fields, 16 or 32 codes a byte operation (decoding each
+# code and packing them, decode_and_pack, is 2-5x slower: Q6_K 14.8 ns a weight, Q5_K 20.4, Zen 1).
+# Each returns (qs plane bytes, qh plane bytes, scales, mins) per super-block of 256 weights; the
+# qs plane's byte i of a block of 32 is code i | code i + 16 << 4 (its low nibbles).
+
+def _nibble_pairs(low: np.ndarray) -> np.ndarray:
+    """[..., 32] low nibbles of a block's codes -> its 16 qs bytes."""
+    return low[..., :16] | (low[..., 16:] << 4)
+
+
+def _k4_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: 128 bytes, each 32 carrying sub-blocks 2c (low nibbles) and 2c + 1 (high)."""
+    q = qs.reshape(-1, 4, 1, 32)
+    return _nibble_pairs(np.concatenate([q & 0xF, q >> 4], axis=2))          # [.., c, sub-block, 16]
+
+
+def _q4_k_planes(b):
+    return _k4_nibbles(b[:, 16:]), None, *_k_scales(b)
+
+
+def _q5_k_planes(b):
+    # fifth bit of sub-block s's weight i: bit s of byte i; the qh plane: byte i % 4, bit i // 4
+    qh = b[:, 16:48].reshape(-1, 1, 8, 4) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1, 1)   # [.., s, t, i % 4]
+    high = np.packbits((qh & 1).transpose(0, 1, 3, 2), axis=-1, bitorder="little")
+    return _k4_nibbles(b[:, 48:]), high, *_k_scales(b)
+
+
+def _q6_k_planes(b):
+    # weight 128 h + 64 s + m: low nibble (ql[64 h + m] >> 4 s); weight 128 h + 32 r + i: high bits
+    # (qh[32 h + i] >> 2 r) & 3. Block r of half h is s = r // 2, m = 32 (r % 2) + i.
+    ql = b[:, :128].reshape(-1, 2, 1, 2, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1, 1)
+    codes = _nibble_pairs(ql & 0xF)                                         # [.., h, s, r % 2, 16]
+    # the qh plane: byte j, bits 2 t of block r = the high bits of weight j + 8 t
+    qh = b[:, 128:192].reshape(-1, 2, 1, 4, 8) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1)
+    v = qh & 3                                                              # [.., h, r, t, j]
+    high = v[:, :, :, 0] | (v[:, :, :, 1] << 2) | (v[:, :, :, 2] << 4) | (v[:, :, :, 3] << 6)
+    sub_scales = b[:, 192:208].view(np.int8).astype(np.float32)
+    return codes, high, _f16(b[:, 208:210]) * sub_scales, None
+
+
+_K_PLANES = {QType.Q4_K: _q4_k_planes, QType.Q5_K: _q5_k_planes, QType.Q6_K: _q6_k_planes}
 
 
 def _fifth_bits(words: np.ndarray) -> np.ndarray:

@@ -224,8 +224,8 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, fmt: Pa
         fmt, n, k,
         torch.from_numpy(np.ascontiguousarray(qs).reshape(n, -1)),
         None if qh is None else torch.from_numpy(qh.reshape(n, -1)),
-        _half(scales, n, k // fmt.group),
-        None if mins is None else _half(mins, n, k // fmt.group),
+        half_plane(scales, n, k // fmt.group),
+        None if mins is None else half_plane(mins, n, k // fmt.group),
     )
 
 
@@ -249,7 +249,8 @@ def _high_bit_positions(w: int) -> np.ndarray:
     return (w * (2 * np.arange(4 // w).reshape(-1, 1, 1, 1) + np.arange(2).reshape(1, 1, 2, 1))).astype(np.uint8)
 
 
-def _half(values: np.ndarray, n: int, groups: int) -> torch.Tensor:
+def half_plane(values: np.ndarray, n: int, groups: int) -> torch.Tensor:
+    """Float scales (or mins) as the [n, groups] float16 plane."""
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(n, groups).astype(np.float16))
 
 
