@@ -17,7 +17,7 @@ from twostep.platforms.cpu.quant_linear import (BF16_GEMM_GEMV_MAX_ROWS, F32_GEM
                                                 QuantizedLinearMethod)
 from twostep.platforms.step_kind import decode_batch
 from twostep.quantization.gguf_blocks import PACKED_TYPES, decode_and_pack, gguf_bits_per_weight, pack_gguf
-from twostep.quantization.packed import QuantizedWeight
+from twostep.quantization.packed import PackedFormat, QuantizedWeight, pack
 from twostep.quantization.quantize import quantize_weight
 
 # K-quants' sub-block scales are multiplied out into float16 (packed.py): a relative 2**-11 at most
@@ -105,10 +105,11 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
     tol = 0 if exact else SCALE_ROUNDING * ref.abs().max().item()
     torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=tol)
     assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + 0.5
-    # the types whose fields are copied out (not decoded): the planes of decoding every code
+    # the planes cut from the blocks' bit fields: those of decoding every code and packing them
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)
     decoded = decode_and_pack(blocks, qtype, n, k)
-    assert all(a is b is None or torch.equal(a, b) for a, b in zip(packed.planes(), decoded.planes()))
+    for a, b in zip(packed.planes(), decoded.planes()):
+        assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
 
 
 @pytest.mark.parametrize("build", ["simd", "portable"])
@@ -250,6 +251,42 @@ def test_load_time_formats(build, method, bits):
     expected = F.linear(x, packed.dequantize())
     got = QuantizedLinearMethod(kernel).matmul(QuantizedWeight((packed,)), x)
     torch.testing.assert_close(got, expected, rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
+
+
+def wide_group_weight(bits: int, group: int, has_min: bool, n: int = 48, k: int = 768) -> QuantizedWeight:
+    """Random codes with a scale (and min) per `group` weights: groups of several blocks of 32."""
+    rng = np.random.default_rng(bits * group)
+    if bits == 8:
+        codes = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    else:
+        codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.01, (n, k // group)).astype(np.float32)
+    mins = -rng.uniform(0.0, 0.05, (n, k // group)).astype(np.float32) if has_min else None
+    return QuantizedWeight((pack(codes, scales, mins, PackedFormat(bits, group, has_min, f"g{group}")),))
+
+
+@pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("bits,group,has_min", [(4, 64, True), (5, 128, False), (8, 128, False), (6, 256, True)])
+def test_groups_of_several_blocks_in_every_product(bits, group, has_min, build):
+    """A scale (and min) per 64-256 weights (each group's blocks counted in the kernels' loops, no
+    division): the passes at 1-8 rows, the int8 product from 1 row and in tiles, the matrix-matrix
+    product past the passes, in the row and the panel layouts, and dequantized rows: the float product
+    of the dequantized weights (the int8 product: of the int8-rounded activations)."""
+    kernel = kernel_builds()[build]
+    weight = wide_group_weight(bits, group, has_min)
+    method, int8 = QuantizedLinearMethod(kernel), QuantizedLinearMethod(kernel, int8_activations="all")
+    dense = weight.dequantize()
+    for w in (weight, method.prepare(weight)):
+        torch.testing.assert_close(method.dequantize(w.parts[0], torch.arange(w.n), torch.float32), dense,
+                                   rtol=0, atol=0)
+        for rows in (1, 3, 8, 13, 40):
+            x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
+            expected = F.linear(x, dense)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(method.matmul(w, x), expected, rtol=0, atol=GEMV_RTOL * scale)
+            if bits in int8.int8_bits and rows >= int8.part_int8_rows(w.parts[0]) > 0:
+                exact = F.linear(int8_activations(x).double(), dense.double()).float()
+                torch.testing.assert_close(int8.matmul(w, x), exact, rtol=0, atol=1e-5 * scale)
 
 
 PANEL_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]

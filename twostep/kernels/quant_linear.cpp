@@ -545,7 +545,7 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
                       float result[][kPanel]) {
   constexpr int A = kWidePass ? (M <= 2 ? 4 : M <= 4 ? 2 : 1) : (M == 1 ? 4 : M == 2 ? 2 : 1);
   constexpr int kChunks = qs_bytes(BITS) * kPanel / 16, kHalves = G16 ? 2 : 1;
-  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = p.group / kBlock;
+  const int64_t k = p.k, nb = k / kBlock, groups = p.groups_row(), per_group = G16 ? 1 : p.group / kBlock;
   const uint8_t* qs = p.qs + panel * nb * panel_block(BITS);
   const at::Half* scales = p.scales + panel * groups * kPanel;
   const __m256i nibble = _mm256_set1_epi16(0x0F);
@@ -701,12 +701,12 @@ Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
     const __m256i ones16 = _mm256_set1_epi16(1);
-    const int64_t per_block = group == 16 ? 1 : group / kBlock;
+    const int64_t per_group = group == 16 ? 1 : group / kBlock;
     for (int64_t m = begin; m < end; ++m) {
-      // the groups of the block's halves: 2b and 2b + 1 for groups of 16, else b / per_block
-      for (int64_t b = 0, g = 0, left = per_block; b < nb; ++b) {
+      // the groups of the block's halves: 2b and 2b + 1 for groups of 16, else b / per_group
+      for (int64_t b = 0, g = 0, left = per_group; b < nb; ++b) {
         const int64_t g0 = group == 16 ? 2 * b : g, g1 = group == 16 ? 2 * b + 1 : g;
-        if (--left == 0) ++g, left = per_block;
+        if (--left == 0) ++g, left = per_group;
         __m256 v[4];
         const float d = load_block(x + m * stride + b * kBlock, v) / 127.f;
         const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
@@ -1446,7 +1446,7 @@ int64_t rows_of(const at::Tensor& qs) { return qs.dim() == 3 ? qs.size(0) * kPan
 Planes planes_of(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, int64_t k) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
-  TORCH_CHECK(k % kBlock == 0 && (group == 16 || group % kBlock == 0) && k % group == 0, "bad k / group");
+  TORCH_CHECK(k % kBlock == 0 && group > 0 && (group == 16 || group % kBlock == 0) && k % group == 0, "bad k / group");
   TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "bad planes");
   // the planes must hold what k and the format say, so no read goes past them
   const bool panels = qs.dim() == 3, has_qh = qh.has_value() && qh->defined();

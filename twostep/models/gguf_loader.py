@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -356,7 +357,7 @@ def _gguf_tokenizer_converter():
     return GGUF_TOKENIZER_MAPPING["tokenizer"], convert_gguf_tokenizer
 
 
-def _build_tokenizer(reader: GGUFFile, path: str, tokens: list[str],
+def _build_tokenizer(reader: GGUFFile, path: str, tokens: Sequence[str],
                      special: dict[str, int | None]) -> tuple[Tokenizer, dict]:
     strings = {name: None if special[name] is None else tokens[special[name]]
                for name in ("bos", "eos", "unk", "pad")}
