@@ -105,7 +105,8 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
     tol = 0 if exact else SCALE_ROUNDING * ref.abs().max().item()
     torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=tol)
     assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + 0.5
-    # the planes cut from the blocks' bit fields: those of decoding every code and packing them
+    # the planes cut from the blocks' bit fields: those of decoding every code and packing them (the
+    # K-quants' scales share their code with the decoders: the gguf comparison above checks those)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)
     decoded = decode_and_pack(blocks, qtype, n, k)
     for a, b in zip(packed.planes(), decoded.planes()):
@@ -270,8 +271,11 @@ def wide_group_weight(bits: int, group: int, has_min: bool, n: int = 48, k: int 
 def test_groups_of_several_blocks_in_every_product(bits, group, has_min, build):
     """A scale (and min) per 64-256 weights (each group's blocks counted in the kernels' loops, no
     division): the passes at 1-8 rows, the int8 product from 1 row and in tiles, the matrix-matrix
-    product past the passes, in the row and the panel layouts, and dequantized rows: the float product
-    of the dequantized weights (the int8 product: of the int8-rounded activations)."""
+    product past the passes (float32 and bf16 rows), in the row and the panel layouts, and dequantized
+    rows: the float product of the dequantized weights (the int8 product: of the int8-rounded
+    activations). Where a build has no panel layout (portable) the second pass repeats the row
+    layout; the int8 product runs where the build takes the code width (not portable; 8-bit codes
+    only with VNNI)."""
     kernel = kernel_builds()[build]
     weight = wide_group_weight(bits, group, has_min)
     method, int8 = QuantizedLinearMethod(kernel), QuantizedLinearMethod(kernel, int8_activations="all")
@@ -284,6 +288,9 @@ def test_groups_of_several_blocks_in_every_product(bits, group, has_min, build):
             expected = F.linear(x, dense)
             scale = expected.abs().max().item()
             torch.testing.assert_close(method.matmul(w, x), expected, rtol=0, atol=GEMV_RTOL * scale)
+            half = x.bfloat16()             # bf16 rows (gemm_bf16 past the passes where the CPU has it)
+            torch.testing.assert_close(method.matmul(w, half).float(), F.linear(half.float(), dense),
+                                       rtol=2 ** -7, atol=2 ** -7 * scale)
             if bits in int8.int8_bits and rows >= int8.part_int8_rows(w.parts[0]) > 0:
                 exact = F.linear(int8_activations(x).double(), dense.double()).float()
                 torch.testing.assert_close(int8.matmul(w, x), exact, rtol=0, atol=1e-5 * scale)

@@ -4,8 +4,8 @@ The planes are cut from the blocks' bit fields (byte operations over whole tenso
 decoded on its own); each type's decoder, which returns the integer codes in weight order plus one
 scale (and min) per group for `pack` to lay out, is the reference the tests hold them to
 (decode_and_pack). No weight is dequantized: the codes are GGUF's own, and so are the scales, except
-that K-quants' super-block scale times sub-block scale is rounded to float16 (see packed.py). The layouts follow ggml-quants.c (and gguf.quants, the
-reference the tests compare against).
+that K-quants' super-block scale times sub-block scale is rounded to float16 (see packed.py). The
+layouts follow ggml-quants.c (and gguf.quants, the reference the tests compare against).
 """
 from __future__ import annotations
 
@@ -157,7 +157,8 @@ def decode_and_pack(blocks: np.ndarray, qtype: QType, n: int, k: int) -> PackedW
 # qs plane holds them (8-bit: signed bytes; 4-bit nibbles: byte i = weight i | weight i + 16 << 4):
 # their planes are the blocks' fields copied out, the fifth bits regrouped (_fifth_bits), with no
 # decode and re-pack (the default file's 211 tensors: 0.32 -> 0.05 s; the Qwen-shape Q4_K_M file's,
-# mostly Q5_0 where rows of 896 are not whole K-quant blocks: 6.3 -> 1.5-1.8 s on a Zen 1).
+# mostly Q5_0 where rows of 896 are not whole K-quant blocks: 6.3 -> 1.5-1.8 s on a Zen 1, 0.9-1.2 s
+# with the K-quants' planes below).
 _SAME_LAYOUT = {QType.Q8_0: (2, None), QType.Q4_0: (2, None), QType.Q4_1: (4, None),   # type -> offsets
                 QType.Q5_0: (6, 2), QType.Q5_1: (8, 4)}                                # of codes, fifth bits
 
@@ -175,7 +176,8 @@ def _split_fields(blocks: np.ndarray, qtype: QType, fmt: PackedFormat, n: int, k
 
 
 # The K-quants' planes straight from their bit fields, 16 or 32 codes a byte operation (decoding each
-# code and packing them, decode_and_pack, is 2-5x slower: Q6_K 14.8 ns a weight, Q5_K 20.4, Zen 1).
+# code and packing them, decode_and_pack, is 1.8-2.3x slower: Q4_K 5.3 ns a weight, Q5_K 20.5, Q6_K
+# 15.1, on a Zen 1).
 # Each returns (qs plane bytes, qh plane bytes, scales, mins) per super-block of 256 weights; the
 # qs plane's byte i of a block of 32 is code i | code i + 16 << 4 (its low nibbles).
 

@@ -56,7 +56,7 @@ class PackedFormat:
     def __post_init__(self) -> None:
         if self.bits not in (4, 5, 6, 8):
             raise ValueError(f"{self.name}: {self.bits}-bit codes are not supported")
-        if self.group != 16 and self.group % BLOCK:
+        if self.group != 16 and (self.group <= 0 or self.group % BLOCK):
             raise ValueError(f"{self.name}: group size {self.group} is neither 16 nor a multiple of 32")
         if self.bits == 8 and self.has_min:
             raise ValueError(f"{self.name}: 8-bit codes are signed and take no min")
