@@ -90,8 +90,12 @@ def _q6_k(b):
     ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     codes = (ql & 0xF).reshape(-1, QK_K) | ((qh & 3).reshape(-1, QK_K) << 4)
-    sub_scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    return codes, _f16(b[:, 208:210]) * sub_scales, None
+    return codes, _q6_k_scales(b), None
+
+
+def _q6_k_scales(b):
+    """Q6_K: each sub-block of 16's scale (super-block scale x its int8 scale)."""
+    return _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
 
 
 # type -> (decoder, bits, weights per scale, has mins)
@@ -138,8 +142,7 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
         return _split_fields(blocks, qtype, fmt, n, k)
     if qtype in _K_PLANES:
         qs, qh, scales, mins = _K_PLANES[qtype](blocks)
-        return PackedWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(qs).reshape(n, -1)),
-                            None if qh is None else torch.from_numpy(np.ascontiguousarray(qh).reshape(n, -1)),
+        return PackedWeight(fmt, n, k, _plane(qs, n), None if qh is None else _plane(qh, n),
                             half_plane(scales, n, k // group), None if mins is None else half_plane(mins, n, k // group))
     return decode_and_pack(blocks, qtype, n, k)
 
@@ -163,16 +166,17 @@ _SAME_LAYOUT = {QType.Q8_0: (2, None), QType.Q4_0: (2, None), QType.Q4_1: (4, No
                 QType.Q5_0: (6, 2), QType.Q5_1: (8, 4)}                                # of codes, fifth bits
 
 
+def _plane(a: np.ndarray, n: int) -> torch.Tensor:
+    """A plane's bytes (or float16 values), block after block, as its [n, ...] tensor."""
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
+
+
 def _split_fields(blocks: np.ndarray, qtype: QType, fmt: PackedFormat, n: int, k: int) -> PackedWeight:
     codes_at, high_at = _SAME_LAYOUT[qtype]
     qs = blocks[:, codes_at:].view(np.int8) if fmt.bits == 8 else blocks[:, codes_at:]
-
-    def plane(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
-
-    qh = None if high_at is None else plane(_fifth_bits(blocks[:, high_at:high_at + 4]))
-    return PackedWeight(fmt, n, k, plane(qs), qh, plane(blocks[:, :2].view(np.float16)),
-                        plane(blocks[:, 2:4].view(np.float16)) if fmt.has_min else None)
+    qh = None if high_at is None else _plane(_fifth_bits(blocks[:, high_at:high_at + 4]), n)
+    return PackedWeight(fmt, n, k, _plane(qs, n), qh, _plane(blocks[:, :2].view(np.float16), n),
+                        _plane(blocks[:, 2:4].view(np.float16), n) if fmt.has_min else None)
 
 
 # The K-quants' planes straight from their bit fields, 16 or 32 codes a byte operation (decoding each
@@ -212,8 +216,7 @@ def _q6_k_planes(b):
     qh = b[:, 128:192].reshape(-1, 2, 1, 4, 8) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1)
     v = qh & 3                                                              # [.., h, r, t, j]
     high = v[:, :, :, 0] | (v[:, :, :, 1] << 2) | (v[:, :, :, 2] << 4) | (v[:, :, :, 3] << 6)
-    sub_scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    return codes, high, _f16(b[:, 208:210]) * sub_scales, None
+    return codes, high, _q6_k_scales(b), None
 
 
 _K_PLANES = {QType.Q4_K: _q4_k_planes, QType.Q5_K: _q5_k_planes, QType.Q6_K: _q6_k_planes}
