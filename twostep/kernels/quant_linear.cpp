@@ -61,6 +61,25 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int kPanel = 8;      // rows of the panel layout; output columns of the int8 product's panels
 
+// n T's left uninitialised, for a call's scratch arrays that are written before they are read (a
+// std::vector zeroes them: with its allocation ~0.8 us of a small call on a Zen 1)
+template <typename T>
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(int64_t n) : data_(n > 0 ? new T[n] : nullptr), size_(n) {}
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  T& operator[](int64_t i) { return data_[i]; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+  int64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t size_ = 0;
+};      // rows of the panel layout; output columns of the int8 product's panels
+
 struct Planes {
   const uint8_t* qs;
   const uint8_t* qh;
@@ -118,21 +137,25 @@ inline int panel_code(const uint8_t* block, int j, int i) {
 // Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
 // for each half block of 16 (a group of 16 needs its own half).
 struct QuantizedActivations {
-  std::vector<int16_t> q;
-  std::vector<float> scale;
-  std::vector<float> half_sums;
-  std::vector<float> group_sums;   // scale * (sum of the codes) per weight group, [rows, k / group]
+  Buffer<int16_t> q;
+  Buffer<float> scale;
+  Buffer<float> half_sums;
+  Buffer<float> group_sums;   // scale * (sum of the codes) per weight group, [rows, k / group]
 };
 
 // Per weight group (16, or a multiple of 32 weights): the activations' sums from the half blocks'.
 void sum_groups(QuantizedActivations& a, int64_t rows, int64_t k, int64_t group) {
   const int64_t halves = k / 16, per = group / 16, groups = k / group;
-  a.group_sums.assign(rows * groups, 0.f);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t h = 0, g = 0, left = per; h < halves; ++h) {   // g = h / per, without a division
-      a.group_sums[m * groups + g] += a.half_sums[m * halves + h];
-      if (--left == 0) ++g, left = per;
+  a.group_sums = Buffer<float>(rows * groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* half = a.half_sums.data() + m * halves;
+    float* out = a.group_sums.data() + m * groups;
+    float sum = 0.f;
+    for (int64_t h = 0, left = per; h < halves; ++h) {   // a group's halves in order, no division
+      sum += half[h];
+      if (--left == 0) *out++ = sum, sum = 0.f, left = per;
     }
+  }
 }
 
 #ifdef TWOSTEP_AVX2
@@ -188,19 +211,21 @@ inline void quantize_block(const scalar_t* xb, int16_t* q, float& d, int sums[2]
 template <typename scalar_t>
 QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, int64_t stride) {
   const int64_t nb = k / kBlock;
-  QuantizedActivations a{std::vector<int16_t>(rows * k), std::vector<float>(rows * nb),
-                         std::vector<float>(rows * nb * 2)};
+  QuantizedActivations a{Buffer<int16_t>(rows * k), Buffer<float>(rows * nb), Buffer<float>(rows * nb * 2)};
   for (int64_t m = 0; m < rows; ++m) {
+    int16_t* q = a.q.data() + m * k;
+    float* scale = a.scale.data() + m * nb;
+    float* half = a.half_sums.data() + m * nb * 2;
     for (int64_t b = 0; b < nb; ++b) {
       const scalar_t* xb = x + m * stride + b * kBlock;
 #ifdef TWOSTEP_AVX2
       if constexpr (!std::is_same_v<scalar_t, double>) {
         int sums[2];
         float d;
-        quantize_block(xb, a.q.data() + m * k + b * kBlock, d, sums);
-        a.scale[m * nb + b] = d;
-        a.half_sums[(m * nb + b) * 2] = d * sums[0];
-        a.half_sums[(m * nb + b) * 2 + 1] = d * sums[1];
+        quantize_block(xb, q + b * kBlock, d, sums);
+        scale[b] = d;
+        half[2 * b] = d * sums[0];
+        half[2 * b + 1] = d * sums[1];
         continue;
       }
 #endif
@@ -212,15 +237,15 @@ QuantizedActivations quantize_activations(const scalar_t* x, int64_t rows, int64
       }
       const float d = amax / 32767.f;
       const float id = d > 0.f ? 1.f / d : 0.f;
-      int16_t* q = a.q.data() + m * k + b * kBlock;
+      int16_t* qb = q + b * kBlock;
       int sums[2] = {0, 0};
       for (int i = 0; i < kBlock; ++i) {
-        q[i] = static_cast<int16_t>(std::nearbyint(v[i] * id));
-        sums[i / 16] += q[i];
+        qb[i] = static_cast<int16_t>(std::nearbyint(v[i] * id));
+        sums[i / 16] += qb[i];
       }
-      a.scale[m * nb + b] = d;
-      a.half_sums[(m * nb + b) * 2] = d * sums[0];
-      a.half_sums[(m * nb + b) * 2 + 1] = d * sums[1];
+      scale[b] = d;
+      half[2 * b] = d * sums[0];
+      half[2 * b + 1] = d * sums[1];
     }
   }
   return a;
@@ -685,48 +710,60 @@ constexpr bool kPanels = true;
 // the two scales.
 
 struct Int8Activations {
-  std::vector<int8_t> q;          // [m, k]
-  std::vector<float> scale;       // [m, k / 32]
-  std::vector<float> group_sums;  // [m, k / group]: sum over the group's blocks of scale * (sum of codes)
-  std::vector<int32_t> half_sums; // [m, k / 16]: the sum of each half block's codes
+  Buffer<int8_t> q;          // [m, k]
+  Buffer<float> scale;       // [m, k / 32]
+  Buffer<float> group_sums;  // [m, k / group]: sum over the group's blocks of scale * (sum of codes)
+  Buffer<int32_t> half_sums; // [m, k / 16]: the sum of each half block's codes
 };
 
 
 template <typename scalar_t>
 Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group) {
   const int64_t nb = k / kBlock, groups = k / group;
-  Int8Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb),
-                    std::vector<float>(rows * groups, 0.f), std::vector<int32_t>(rows * 2 * nb)};
+  Int8Activations a{Buffer<int8_t>(rows * k), Buffer<float>(rows * nb), Buffer<float>(rows * groups),
+                    Buffer<int32_t>(rows * 2 * nb)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
     const __m256i ones16 = _mm256_set1_epi16(1);
     const int64_t per_group = group == 16 ? 1 : group / kBlock;
     for (int64_t m = begin; m < end; ++m) {
-      // the groups of the block's halves: 2b and 2b + 1 for groups of 16, else b / per_group
-      for (int64_t b = 0, g = 0, left = per_group; b < nb; ++b) {
-        const int64_t g0 = group == 16 ? 2 * b : g, g1 = group == 16 ? 2 * b + 1 : g;
-        if (--left == 0) ++g, left = per_group;
+      // the row's arrays through local pointers (stores through a.q's would make the compiler
+      // reload the others after each), a group's sum in a register until its last block
+      int8_t* q = a.q.data() + m * k;
+      float* scale = a.scale.data() + m * nb;
+      int32_t* half = a.half_sums.data() + m * 2 * nb;
+      float* group_sum = a.group_sums.data() + m * groups;
+      float sum = 0.f;
+      for (int64_t b = 0, left = per_group; b < nb; ++b) {
         __m256 v[4];
         const float d = load_block(x + m * stride + b * kBlock, v) / 127.f;
         const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
         __m256i i32[4];
         for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-        const __m256i q = _mm256_permutevar8x32_epi32(
+        const __m256i codes = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3])), order);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * k + b * kBlock), q);
-        a.scale[m * nb + b] = d;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), codes);
+        scale[b] = d;
         // sums of the codes of each half block (lanes 0-3: codes 0-15; 4-7: 16-31)
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, codes), ones16);
         __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
         lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E));
         lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
         hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4E));
         hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xB1));
-        a.half_sums[(m * nb + b) * 2] = _mm_cvtsi128_si32(lo);
-        a.half_sums[(m * nb + b) * 2 + 1] = _mm_cvtsi128_si32(hi);
-        a.group_sums[m * groups + g0] += d * _mm_cvtsi128_si32(lo);
-        a.group_sums[m * groups + g1] += d * _mm_cvtsi128_si32(hi);
+        const int32_t low_sum = _mm_cvtsi128_si32(lo), high_sum = _mm_cvtsi128_si32(hi);
+        half[2 * b] = low_sum;
+        half[2 * b + 1] = high_sum;
+        // (the FMAs written out: the sums' rounding is not left to what the compiler contracts)
+        if (group == 16) {             // the halves' own groups, 2b and 2b + 1
+          group_sum[2 * b] = d * low_sum;
+          group_sum[2 * b + 1] = d * high_sum;
+        } else {                       // group b / per_group, summed in block order
+          sum = std::fma(d, static_cast<float>(low_sum), sum);
+          sum = std::fma(d, static_cast<float>(high_sum), sum);
+          if (--left == 0) *group_sum++ = sum, sum = 0.f, left = per_group;
+        }
       }
     }
   });
@@ -973,9 +1010,9 @@ struct Packed {
 // zero x the sum of each row's codes in each block (G16: half block), [m, blocks, halves]: what
 // the zero point (and 8-bit codes' 128) takes off a block's integer sum, sum (q - z) x = sum q x -
 // z sum x, exact in int32; read from memory as one broadcast a row and block. Empty for zero 0.
-std::vector<int32_t> zero_terms_of(const Int8Activations& a, int64_t m, int64_t nb, int32_t zero, bool g16) {
+Buffer<int32_t> zero_terms_of(const Int8Activations& a, int64_t m, int64_t nb, int32_t zero, bool g16) {
   if (zero == 0) return {};
-  std::vector<int32_t> out(m * nb * (g16 ? 2 : 1));
+  Buffer<int32_t> out(m * nb * (g16 ? 2 : 1));
   for (int64_t i = 0; i < m * nb; ++i) {
     const int32_t* s = a.half_sums.data() + 2 * i;
     if (g16) out[2 * i] = zero * s[0], out[2 * i + 1] = zero * s[1];
@@ -1156,14 +1193,16 @@ inline void pair_quads(const uint8_t* block, int p, __m256i& q0, __m256i& q1) {
 
 // The activations' int8 codes as pair_quads multiplies them: per row and block, four 32-byte
 // vectors, pair p's = quad 2p four times, then quad 2p + 1 four times
-std::vector<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
-  std::vector<int8_t> out(rows * k * 4);
+Buffer<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+  Buffer<int8_t> out(rows * k * 4);
   const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                              _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  const int8_t* codes = a.q.data();
+  int8_t* to = out.data();
   for (int64_t i = 0; i < rows * k / kBlock; ++i) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + i * kBlock));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i * kBlock));
     for (int p = 0; p < 4; ++p)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + (4 * i + p) * 32), _mm256_permutevar8x32_epi32(q, spread[p]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + (4 * i + p) * 32), _mm256_permutevar8x32_epi32(q, spread[p]));
   }
   return out;
 }
@@ -1171,24 +1210,26 @@ std::vector<int8_t> pair_layout(const Int8Activations& a, int64_t rows, int64_t 
 // The same for AVX2's products of pair_halves: per row, block and step pair p, two 32-byte vectors,
 // codes 8p, 8p + 1 eight times then 8p + 4, 8p + 5 eight times (against `first`), and 8p + 2, 8p + 3
 // then 8p + 6, 8p + 7 (against `second`)
-std::vector<int8_t> half_pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
-  std::vector<int8_t> out(rows * k * 8);
+Buffer<int8_t> half_pair_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+  Buffer<int8_t> out(rows * k * 8);
   const __m256i first = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                          4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5);
   const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(2));
+  const int8_t* codes = a.q.data();
+  int8_t* to = out.data();
   for (int64_t i = 0; i < rows * k / 8; ++i) {      // a step pair's eight codes at a time
     int64_t eight;
-    std::memcpy(&eight, a.q.data() + 8 * i, 8);
+    std::memcpy(&eight, codes + 8 * i, 8);
     const __m256i v = _mm256_set1_epi64x(eight);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + 64 * i), _mm256_shuffle_epi8(v, first));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + 64 * i + 32), _mm256_shuffle_epi8(v, second));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * i), _mm256_shuffle_epi8(v, first));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * i + 32), _mm256_shuffle_epi8(v, second));
   }
   return out;
 }
 
 // The activations' copy the small-row product reads: per row and block, 128 bytes (VNNI) or 256
 constexpr int64_t kPairBytes = kDpbusd ? 128 : 256;
-std::vector<int8_t> small_row_layout(const Int8Activations& a, int64_t rows, int64_t k) {
+Buffer<int8_t> small_row_layout(const Int8Activations& a, int64_t rows, int64_t k) {
   return kDpbusd ? pair_layout(a, rows, k) : half_pair_layout(a, rows, k);
 }
 
@@ -1278,9 +1319,9 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
 
 template <int BITS, bool G16, typename out_t>
 void gemv_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
-  const std::vector<int8_t> pairs = small_row_layout(a, m, p.k);
+  const Buffer<int8_t> pairs = small_row_layout(a, m, p.k);
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
-  const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
+  const Buffer<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
   const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
   at::parallel_for(0, n / kPanel, 2, [&](int64_t begin, int64_t end) {
     float r[kPanel][kPanel];
@@ -1306,7 +1347,7 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
   const int64_t panels = (n + kPanel - 1) / kPanel;
   if (p.panels && m < kSmallRows) return gemv_int8_panels<BITS, G16>(p, n, m, a, out, stride);
   const bool offset = p.mins != nullptr;               // the mins' term (the zero point is in the sums)
-  const std::vector<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
+  const Buffer<int32_t> zeros = zero_terms_of(a, m, p.k / kBlock, p.zero + kCodeBias<BITS>, G16);
   const int32_t* zero = zeros.empty() ? nullptr : zeros.data();
   // rows a tile: with VNNI each row's sum is one chain of vpdpbusd, and AVX-512's 32 registers hold 8
   constexpr int kRows = kDpbusd && kWidePass ? 8 : 4;
