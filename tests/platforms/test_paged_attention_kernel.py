@@ -27,10 +27,11 @@ def kernel_or_skip():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size,group", [(16, 3), (1, 1), (4, 7)])
-def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group):
+@pytest.mark.parametrize("dim", [64, 128, 40])     # the vector paths' head sizes, and the plain loops'
+def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group, dim):
     backend = PagedDecode(paged_decode_attention(kernel_or_skip(), dtype, False))
     g = torch.Generator().manual_seed(block_size * 10 + group)
-    kv_heads, dim = 2, 64
+    kv_heads = 2
     lens = [300, 1, 17, 64, 129, 250]
     qlens = [1, 1, 3, 1, 5, 2]                    # decodes, and decodes verifying drafts
     need = [-(-n // block_size) for n in lens]

@@ -1,13 +1,14 @@
 // Decode attention over the paged KV cache, reading K/V blocks where they are (no gather, no
-// padding, no conversion copies). One task per (sequence, KV head); each task handles the G query
-// heads that share that KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a
-// causal limit). Scores, softmax and the weighted sum of V are computed in float32.
+// padding). One task per (sequence, KV head); each task handles the G query heads that share that
+// KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a causal limit). Scores,
+// softmax and the weighted sum of V are computed in float32.
 //
-// Keys and values are taken 16 positions at a time into a float tile. Per query row, the 16 scores
-// of a tile come from 16 vectorised dot products whose horizontal sums are folded together in one
-// shuffle tree (instead of 16 separate reductions), the softmax runs over whole vectors, and the
-// values are accumulated into the row's output held in registers. With AVX-512 and a head size that
-// is a multiple of 16 this is intrinsics; otherwise the same steps as plain loops.
+// Keys and values are taken 16 positions at a time: a float32 cache's vectors where they lie, a
+// 16-bit cache's converted into a float tile. Per query row, the 16 scores of a tile come from 16
+// vectorised dot products whose horizontal sums are folded together in one shuffle tree (instead
+// of 16 separate reductions), the softmax runs over whole vectors, and the values are accumulated
+// into the row's output held in registers. With AVX-512 and a head size that is a multiple of 16
+// (AVX2: of 8) this is intrinsics; otherwise the same steps as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -24,6 +25,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TWOSTEP_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TWOSTEP_AVX2 1
 #endif
 
 namespace {
@@ -31,8 +35,7 @@ namespace {
 constexpr int64_t TILE = 16;   // positions per tile
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// One key or value vector to float32 (the bf16 case as the bit shift it is, which vectorises).
-inline void to_float(const float* p, float* x, int64_t dim) { std::memcpy(x, p, dim * sizeof(float)); }
+// One 16-bit key or value vector to float32 (the bf16 case as the bit shift it is, which vectorises).
 inline void to_float(const at::Half* p, float* x, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(p[d]);
 }
@@ -52,16 +55,19 @@ struct Cursor {
   }
 };
 
-// Calls fn(j, n, tile) for positions j, j + 16, ... < len of one sequence's K (or V) head h, tile
-// holding the n <= 16 vectors of positions [j, j + n) converted to float (rows past n zeroed),
-// walking the block table: the cache is read where it lies. Each position's vector is prefetched a
-// tile ahead (the heads of a position are interleaved, so a head's vectors are strided).
+// Calls fn(j, n, rows) for positions j, j + 16, ... < len of one sequence's K (or V) head h, rows[t]
+// the float32 vector of position j + t for t < n (rows past n repeat the first: their scores are
+// never read), walking the block table: a float32 cache is read where it lies, a 16-bit one
+// converted into `tile` (a copy a position was 14% of a float32 SmolLM2 decode at ~400 positions,
+// libc's memmove called per vector). Each position's vector is prefetched a tile ahead (the heads
+// of a position are interleaved, so a head's vectors are strided).
 template <typename T, typename Fn>
 inline void for_each_tile(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
                           int64_t token_stride, int64_t h, int64_t dim, float* tile, Fn fn) {
   const auto at = [&](const Cursor& c) { return cache + (table[c.block] * block_size + c.offset) * token_stride + h * dim; };
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
   Cursor now, ahead;
+  const float* rows[TILE];
   for (int64_t p = 0; p < std::min(TILE, len); ++p) ahead.advance(block_size);
   for (int64_t j = 0; j < len; j += TILE) {
     const int64_t n = std::min(TILE, len - j);
@@ -71,11 +77,16 @@ inline void for_each_tile(const T* cache, const int64_t* table, int64_t len, int
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
         ahead.advance(block_size);
       }
-      to_float(at(now), tile + t * dim, dim);
+      if constexpr (std::is_same_v<T, float>) {
+        rows[t] = at(now);
+      } else {
+        to_float(at(now), tile + t * dim, dim);
+        rows[t] = tile + t * dim;
+      }
       now.advance(block_size);
     }
-    std::fill(tile + n * dim, tile + TILE * dim, 0.0f);
-    fn(j, n, tile);
+    for (int64_t t = n; t < TILE; ++t) rows[t] = rows[0];
+    fn(j, n, rows);
   }
 }
 
@@ -118,32 +129,56 @@ inline __m512 sum16(__m512 v[16]) {
 }
 #endif
 
-// scores[t] = scale * q . tile[t] for the 16 positions of a tile
+#ifdef TWOSTEP_AVX2
+// out[t] = sum of v[t]'s 8 lanes, for 8 vectors: one tree of horizontal adds for all of them.
+inline __m256 sum8(const __m256 v[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // lane halves: s0123 = v0..v3's sums of lanes 0-3, then of lanes 4-7; s4567 the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
+// scores[t] = scale * q . rows[t] for the 16 positions of a tile
 template <int64_t DIM>
-inline void tile_scores(const float* q, const float* tile, int64_t dim, float scale, float* scores) {
+inline void tile_scores(const float* q, const float* const* rows, int64_t dim, float scale, float* scores) {
 #ifdef TWOSTEP_AVX512
   if constexpr (DIM > 0 && DIM % 16 == 0) {
     __m512 qv[DIM / 16], acc[TILE];
     for (int64_t c = 0; c < DIM / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
     for (int64_t t = 0; t < TILE; ++t) {
-      acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(tile + t * DIM));
+      acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[t]));
       for (int64_t c = 1; c < DIM / 16; ++c)
-        acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(tile + t * DIM + 16 * c), acc[t]);
+        acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[t] + 16 * c), acc[t]);
     }
     _mm512_storeu_ps(scores, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    return;
+  }
+#elif defined(TWOSTEP_AVX2)
+  if constexpr (DIM > 0 && DIM % 8 == 0) {
+    for (int64_t t0 = 0; t0 < TILE; t0 += 8) {     // 8 positions a pass (their sums fill 8 registers)
+      __m256 acc[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        const float* row = rows[t0 + t];
+        acc[t] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
+        for (int64_t c = 1; c < DIM / 8; ++c)
+          acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(row + 8 * c), acc[t]);
+      }
+      _mm256_storeu_ps(scores + t0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+    }
     return;
   }
 #endif
   for (int64_t t = 0; t < TILE; ++t) {
     float s = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) s += q[d] * tile[t * dim + d];
+    for (int64_t d = 0; d < dim; ++d) s += q[d] * rows[t][d];
     scores[t] = s * scale;
   }
 }
 
-// o += sum over t < n of p[t] * tile[t]
+// o += sum over t < n of p[t] * rows[t]
 template <int64_t DIM>
-inline void tile_accumulate(float* o, const float* p, const float* tile, int64_t n, int64_t dim) {
+inline void tile_accumulate(float* o, const float* p, const float* const* rows, int64_t n, int64_t dim) {
 #ifdef TWOSTEP_AVX512
   if constexpr (DIM > 0 && DIM % 16 == 0) {
     __m512 ov[DIM / 16];
@@ -151,14 +186,26 @@ inline void tile_accumulate(float* o, const float* p, const float* tile, int64_t
     for (int64_t t = 0; t < n; ++t) {
       const __m512 pt = _mm512_set1_ps(p[t]);
       for (int64_t c = 0; c < DIM / 16; ++c)
-        ov[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(tile + t * DIM + 16 * c), ov[c]);
+        ov[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(rows[t] + 16 * c), ov[c]);
     }
     for (int64_t c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
     return;
   }
+#elif defined(TWOSTEP_AVX2)
+  if constexpr (DIM > 0 && DIM % 8 == 0 && DIM <= 64) {    // the row in at most 8 registers
+    __m256 ov[DIM / 8];
+    for (int64_t c = 0; c < DIM / 8; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      for (int64_t c = 0; c < DIM / 8; ++c)
+        ov[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(rows[t] + 8 * c), ov[c]);
+    }
+    for (int64_t c = 0; c < DIM / 8; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
+    return;
+  }
 #endif
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * tile[t * dim + d];
+    for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * rows[t][d];
 }
 
 // In place: s[0, n) = softmax(s[0, n)), s[n, len) = 0.
@@ -186,7 +233,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, tile(TILE * dim);
+    std::vector<float> scores, tile(std::is_same_v<T, float> ? 0 : TILE * dim);   // (16-bit caches' vectors)
     std::vector<float> q_rows, out_rows;                   // a 16-bit task's rows in float32
     std::vector<const float*> queries;
     std::vector<float*> outs;
@@ -222,12 +269,12 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
       }
       const int64_t* table = tables + b * table_stride;
       for_each_tile(k_cache, table, len, block_size, token_stride, h, dim, tile.data(),
-                    [&](int64_t j, int64_t, const float* keys) {
+                    [&](int64_t j, int64_t, const float* const* keys) {
         for (int64_t r = 0; r < rows; ++r) tile_scores<DIM>(queries[r], keys, dim, scale, &scores[r * stride + j]);
       });
       for (int64_t r = 0; r < rows; ++r) softmax(&scores[r * stride], limits[r] + 1, len);
       for_each_tile(v_cache, table, len, block_size, token_stride, h, dim, tile.data(),
-                    [&](int64_t j, int64_t n, const float* values) {
+                    [&](int64_t j, int64_t n, const float* const* values) {
         for (int64_t r = 0; r < rows; ++r) tile_accumulate<DIM>(outs[r], &scores[r * stride + j], values, n, dim);
       });
       if constexpr (!kFloat) {
