@@ -12,7 +12,12 @@ them), through the
 int16 matrix-vector passes (--cpu-int8-activations off) and the int8 product (the default for a
 bf16 model's decode, where the kernel takes the format at that many rows). The products and the
 read run interleaved round by round (this machine's bandwidth moves between levels); ms per round,
-GB/s of packed weights and the share of the read's rate, medians.
+GB/s of packed weights and the share of the read's rate, medians. Each product's line then gives
+the kernel alone: the same round under torch's profiler (also interleaved), the sum of the ops'
+spans (twostep::quant_*: from the op's entry to its return, so the activations' quantization, the
+threads' fork and join, the product and the output's write, but not the Python call, pybind's and
+the dispatcher's hop or FusedLinear's output allocation: what a step's linears cost where the decode
+stack calls them from C++, bar that hop and allocation).
 
 Each linear is called as the decode stack calls it (models/fused_decode.py: its FusedLinear, the
 kernel's op through the dispatcher from C++, an output allocated a call), where the stack takes that
@@ -29,6 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from twostep.kernels import decode_step, quant_linear
 from twostep.platforms import get_platform
@@ -90,15 +96,33 @@ def main() -> None:
             paths = {a: round_of_linears(methods[a], weights, x, stack, args.python_layers) for a in takes}
             paths["read"] = flat.sum
             times = {p: [] for p in paths}
+            op_times = {p: [] for p in paths if p != "read"}
             for _ in range(args.reps):
                 for p, fn in paths.items():
                     start = time.perf_counter()
                     fn()
                     times[p].append(time.perf_counter() - start)
+                    if p in op_times:
+                        op_times[p].append(op_seconds(fn))
             read_s = statistics.median(times.pop("read"))
-            products = " | ".join(f"{p} {statistics.median(t) * 1e3:6.1f} ms {nbytes / statistics.median(t) / 1e9:5.1f} "
-                                  f"GB/s ({read_s / statistics.median(t):.0%})" for p, t in times.items())
+
+            def rate(seconds: list[float]) -> str:
+                s = statistics.median(seconds)
+                return f"{s * 1e3:6.1f} ms {nbytes / s / 1e9:5.1f} GB/s ({read_s / s:.0%})"
+
+            products = " | ".join(f"{p} {rate(t)}" for p, t in times.items())
             print(f"  rows {rows}: {products} | read {read_s * 1e3:6.1f} ms {nbytes / read_s / 1e9:5.1f} GB/s")
+            print("    the ops alone: " + " | ".join(f"{p} {rate(t)}" for p, t in op_times.items()))
+
+
+def op_seconds(round_fn) -> float:
+    """One round under the profiler: the summed spans of its outermost twostep::quant_* ops."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        round_fn()
+    spans = [e.cpu_time_total for e in prof.events()
+             if e.name.startswith("twostep::quant_")
+             and (e.cpu_parent is None or not e.cpu_parent.name.startswith("twostep::quant_"))]
+    return sum(spans) / 1e6
 
 
 def round_of_linears(method: QuantizedLinearMethod, weights: list[QuantizedWeight], x: dict, stack, python: bool):
