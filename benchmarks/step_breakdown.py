@@ -14,7 +14,8 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
   engine     everything in LLMEngine.step outside ModelRunner.execute, plus the step's inputs
              and attention metadata
 When the decode stack runs the layers in one C++ call (models/fused_decode.py; "stack" below), no
-Python clock sees inside it: a profile of a few more steps gives the time of its matrix-vector ops
+Python clock sees inside it: a profile of a few more steps (at the measured steps' mean context)
+gives the time of its matrix-vector ops
 (under weights) and of its K/V writes and paged attention (under attention) per call; the rest of
 its clocked time, the stack's glue, stays under other ops.
 Medians over the decode steps; the bound line is the bytes a batch-1 step streams (each linear's
@@ -156,17 +157,21 @@ def measure(llm: LLM, clock: StepClock, prompts, params, in_stack: bool) -> dict
     parts = breakdown(clock.steps[2:])          # the prefill step and the first decode left out
     layers = parts.pop("stack")
     if in_stack:
-        split_stack(parts, layers, stack_kernels(llm, prompts))
+        mean_context = len(prompts[0]) + params.max_tokens // 2
+        split_stack(parts, layers, stack_kernels(llm, prompts, mean_context))
     return parts
 
 
-def stack_kernels(llm: LLM, prompts) -> tuple[float, float]:
+def stack_kernels(llm: LLM, prompts, context: int) -> tuple[float, float]:
     """Milliseconds a decode stack call spends in the matrix-vector ops and in the attention ops,
     from a profile of a few decode steps (each op's own time; the profiler's cost per event falls
-    on the stack's glue between them, so these two are the less distorted part)."""
+    on the stack's glue between them, so these two are the less distorted part) at about `context`
+    positions, the measured steps' mean: the prompts lengthened to it (attention's time grows with
+    the context; profiled at the prompt's length, a 1000-token run put most of it under other ops)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    at_context = [p + [100 + (p[-1] + j) % 1000 for j in range(1, context - len(p) + 1)] for p in prompts]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(at_context, params, use_tqdm=False)
     calls, total = 0, {"weights": 0.0, "attention": 0.0}
     for event in prof.events():
         if event.name == STACK:
