@@ -110,61 +110,69 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// The float vectors of the build's paths: W = 16 lanes with AVX-512, 8 with AVX2. sums(v) folds W
+// vectors into one vector of their W lane sums, one shuffle tree for all of them; a row of up to
+// kRowRegisters vectors is held in registers.
 #ifdef TWOSTEP_AVX512
-// out[t] = sum of v[t]'s 16 lanes, for 16 vectors: one shuffle tree for all of them.
-inline __m512 sum16(__m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)           // per 128-bit lane: pair sums of v[2i], v[2i+1]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)           // per 128-bit lane L: lane-L sums of v[4i .. 4i+3]
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+struct Floats {
+  using V = __m512;
+  static constexpr int64_t W = 16, kRowRegisters = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V splat(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V sums(const V v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i)           // per 128-bit lane: pair sums of v[2i], v[2i+1]
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                           _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)           // per 128-bit lane L: lane-L sums of v[4i .. 4i+3]
+      b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+};
+#elif defined(TWOSTEP_AVX2)
+struct Floats {
+  using V = __m256;
+  static constexpr int64_t W = 8, kRowRegisters = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V splat(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V sums(const V v[8]) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    // lane halves: s0123 = v0..v3's sums of lanes 0-3, then of lanes 4-7; s4567 the same for v4..v7
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  }
+};
 #endif
-
-#ifdef TWOSTEP_AVX2
-// out[t] = sum of v[t]'s 8 lanes, for 8 vectors: one tree of horizontal adds for all of them.
-inline __m256 sum8(const __m256 v[8]) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  // lane halves: s0123 = v0..v3's sums of lanes 0-3, then of lanes 4-7; s4567 the same for v4..v7
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
+#if defined(TWOSTEP_AVX512) || defined(TWOSTEP_AVX2)
+#define TWOSTEP_VECTORS 1
 #endif
 
 // scores[t] = scale * q . rows[t] for the 16 positions of a tile
 template <int64_t DIM>
 inline void tile_scores(const float* q, const float* const* rows, int64_t dim, float scale, float* scores) {
-#ifdef TWOSTEP_AVX512
-  if constexpr (DIM > 0 && DIM % 16 == 0) {
-    __m512 qv[DIM / 16], acc[TILE];
-    for (int64_t c = 0; c < DIM / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int64_t t = 0; t < TILE; ++t) {
-      acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[t]));
-      for (int64_t c = 1; c < DIM / 16; ++c)
-        acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[t] + 16 * c), acc[t]);
-    }
-    _mm512_storeu_ps(scores, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
-    return;
-  }
-#elif defined(TWOSTEP_AVX2)
-  if constexpr (DIM > 0 && DIM % 8 == 0) {
-    for (int64_t t0 = 0; t0 < TILE; t0 += 8) {     // 8 positions a pass (their sums fill 8 registers)
-      __m256 acc[8];
-      for (int64_t t = 0; t < 8; ++t) {
+#ifdef TWOSTEP_VECTORS
+  if constexpr (DIM > 0 && DIM % Floats::W == 0) {
+    using F = Floats;
+    for (int64_t t0 = 0; t0 < TILE; t0 += F::W) {      // W positions a pass, their sums in one vector
+      typename F::V acc[F::W];
+      for (int64_t t = 0; t < F::W; ++t) {
         const float* row = rows[t0 + t];
-        acc[t] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
-        for (int64_t c = 1; c < DIM / 8; ++c)
-          acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(row + 8 * c), acc[t]);
+        acc[t] = F::mul(F::load(q), F::load(row));
+        for (int64_t c = 1; c < DIM / F::W; ++c) acc[t] = F::fmadd(F::load(q + F::W * c), F::load(row + F::W * c), acc[t]);
       }
-      _mm256_storeu_ps(scores + t0, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+      F::store(scores + t0, F::mul(F::sums(acc), F::splat(scale)));
     }
     return;
   }
@@ -179,28 +187,16 @@ inline void tile_scores(const float* q, const float* const* rows, int64_t dim, f
 // o += sum over t < n of p[t] * rows[t]
 template <int64_t DIM>
 inline void tile_accumulate(float* o, const float* p, const float* const* rows, int64_t n, int64_t dim) {
-#ifdef TWOSTEP_AVX512
-  if constexpr (DIM > 0 && DIM % 16 == 0) {
-    __m512 ov[DIM / 16];
-    for (int64_t c = 0; c < DIM / 16; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c);
+#ifdef TWOSTEP_VECTORS
+  if constexpr (DIM > 0 && DIM % Floats::W == 0 && DIM / Floats::W <= Floats::kRowRegisters) {
+    using F = Floats;
+    typename F::V ov[DIM / F::W];
+    for (int64_t c = 0; c < DIM / F::W; ++c) ov[c] = F::load(o + F::W * c);
     for (int64_t t = 0; t < n; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t]);
-      for (int64_t c = 0; c < DIM / 16; ++c)
-        ov[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(rows[t] + 16 * c), ov[c]);
+      const typename F::V pt = F::splat(p[t]);
+      for (int64_t c = 0; c < DIM / F::W; ++c) ov[c] = F::fmadd(pt, F::load(rows[t] + F::W * c), ov[c]);
     }
-    for (int64_t c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
-    return;
-  }
-#elif defined(TWOSTEP_AVX2)
-  if constexpr (DIM > 0 && DIM % 8 == 0 && DIM <= 64) {    // the row in at most 8 registers
-    __m256 ov[DIM / 8];
-    for (int64_t c = 0; c < DIM / 8; ++c) ov[c] = _mm256_loadu_ps(o + 8 * c);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      for (int64_t c = 0; c < DIM / 8; ++c)
-        ov[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(rows[t] + 8 * c), ov[c]);
-    }
-    for (int64_t c = 0; c < DIM / 8; ++c) _mm256_storeu_ps(o + 8 * c, ov[c]);
+    for (int64_t c = 0; c < DIM / F::W; ++c) F::store(o + F::W * c, ov[c]);
     return;
   }
 #endif
