@@ -78,7 +78,7 @@ class Buffer {
  private:
   std::unique_ptr<T[]> data_;
   int64_t size_ = 0;
-};      // rows of the panel layout; output columns of the int8 product's panels
+};
 
 struct Planes {
   const uint8_t* qs;
