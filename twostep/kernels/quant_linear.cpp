@@ -67,17 +67,15 @@ template <typename T>
 class Buffer {
  public:
   Buffer() = default;
-  explicit Buffer(int64_t n) : data_(n > 0 ? new T[n] : nullptr), size_(n) {}
+  explicit Buffer(int64_t n) : data_(n > 0 ? new T[n] : nullptr) {}
   T* data() { return data_.get(); }
   const T* data() const { return data_.get(); }
   T& operator[](int64_t i) { return data_[i]; }
   const T& operator[](int64_t i) const { return data_[i]; }
-  int64_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
+  bool empty() const { return data_ == nullptr; }
 
  private:
   std::unique_ptr<T[]> data_;
-  int64_t size_ = 0;
 };
 
 struct Planes {
