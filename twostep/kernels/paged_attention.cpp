@@ -1,7 +1,8 @@
 // Decode attention over the paged KV cache, reading K/V blocks where they are (no gather, no
-// padding). One task per (sequence, KV head); each task handles the G query heads that share that
-// KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a causal limit). Scores,
-// softmax and the weighted sum of V are computed in float32.
+// padding). One task per (sequence, KV head) and part of the context (past 256 positions a context
+// is split, its parts' partial softmaxes merged after); each task handles the G query heads that
+// share that KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a causal
+// limit). Scores, softmax and the weighted sum of V are computed in float32.
 //
 // Keys and values are taken 16 positions at a time: a float32 cache's vectors where they lie, a
 // 16-bit cache's converted into a float tile. Per query row, the 16 scores of a tile come from 16
@@ -55,24 +56,24 @@ struct Cursor {
   }
 };
 
-// Calls fn(j, n, rows) for positions j, j + 16, ... < len of one sequence's K (or V) head h, rows[t]
-// the float32 vector of position j + t for t < n (rows past n repeat the first: their scores are
-// never read), walking the block table: a float32 cache is read where it lies, a 16-bit one
-// converted into `tile` (a copy a position was 14% of a float32 SmolLM2 decode at ~400 positions,
-// libc's memmove called per vector). Each position's vector is prefetched a tile ahead (the heads
-// of a position are interleaved, so a head's vectors are strided).
+// Calls fn(j, n, rows) for positions begin + j, begin + j + 16, ... < end of one sequence's K (or
+// V) head h, rows[t] the float32 vector of position begin + j + t for t < n (rows past n repeat the
+// first: their scores are never read), walking the block table: a float32 cache is read where it
+// lies, a 16-bit one converted into `tile` (a copy a position was 14% of a float32 SmolLM2 decode
+// at ~400 positions, libc's memmove called per vector). Each position's vector is prefetched a tile
+// ahead (the heads of a position are interleaved, so a head's vectors are strided).
 template <typename T, typename Fn>
-inline void for_each_tile(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+inline void for_each_tile(const T* cache, const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                           int64_t token_stride, int64_t h, int64_t dim, float* tile, Fn fn) {
   const auto at = [&](const Cursor& c) { return cache + (table[c.block] * block_size + c.offset) * token_stride + h * dim; };
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  Cursor now, ahead;
+  Cursor now{begin / block_size, begin % block_size}, ahead = now;
   const float* rows[TILE];
-  for (int64_t p = 0; p < std::min(TILE, len); ++p) ahead.advance(block_size);
-  for (int64_t j = 0; j < len; j += TILE) {
-    const int64_t n = std::min(TILE, len - j);
+  for (int64_t p = 0; p < std::min(TILE, end - begin); ++p) ahead.advance(block_size);
+  for (int64_t j = 0; begin + j < end; j += TILE) {
+    const int64_t n = std::min(TILE, end - begin - j);
     for (int64_t t = 0; t < n; ++t) {
-      if (j + t + TILE < len) {
+      if (begin + j + t + TILE < end) {
         const char* next = reinterpret_cast<const char*>(at(ahead));
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
         ahead.advance(block_size);
@@ -204,16 +205,60 @@ inline void tile_accumulate(float* o, const float* p, const float* const* rows, 
     for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * rows[t][d];
 }
 
-// In place: s[0, n) = softmax(s[0, n)), s[n, len) = 0.
-inline void softmax(float* s, int64_t n, int64_t len) {
+// In place: s[0, n) = e^(s - m) with m the largest of s[0, n), s[n, len) = 0. Returns m and the sum
+// of the exponentials (n = 0, a row that sees none of these positions: -inf and 0).
+struct Exponentials { float max, sum; };
+inline Exponentials exponentiate(float* s, int64_t n, int64_t len) {
   float m = NEG_INF;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - m);
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) sum += s[j];
-  const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   std::fill(s + n, s + len, 0.0f);
+  return {m, sum};
+}
+
+// In place: s[0, n) = softmax(s[0, n)), s[n, len) = 0.
+inline void softmax(float* s, int64_t n, int64_t len) {
+  const float inv = 1.0f / exponentiate(s, n, len).sum;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+// A long context is split into parts of at most kPart positions (flash-decoding): each part is a task
+// of its own that leaves its rows' partial results (the sum of e^(score - m) v, m and the sum of the
+// exponentials) to be merged after, so that one sequence's few KV heads keep every thread busy (one
+// task per (sequence, KV head) gave batch 1 of SmolLM2 three tasks for two threads). The split is a
+// function of the length alone (whole tiles, as even as they go), so a sequence's result does not
+// depend on the batch it runs in or on the number of threads; up to kPart positions are one part,
+// computed as they always were.
+constexpr int64_t kPart = 256;
+
+struct Part {
+  int64_t b, h, begin, end;
+  float* partial;   // [rows][dim + 2]: o, m, sum; null where the part is the whole context
+};
+
+// The parts of every (sequence, KV head), in that order (a split pair's parts are neighbours), and
+// the scratch their partial results go to.
+inline std::vector<Part> plan_parts(const int64_t* seq_lens, const int64_t* q_lens, int64_t batch, int64_t kv_heads,
+                                    int64_t group, int64_t dim, std::vector<float>& partials) {
+  std::vector<Part> parts;
+  std::vector<int64_t> offsets;
+  int64_t floats = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = seq_lens[b], count = (len + kPart - 1) / kPart;
+    const int64_t size = ((len + count - 1) / count + TILE - 1) / TILE * TILE;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t begin = 0; begin < len; begin += size) {
+        parts.push_back({b, h, begin, std::min(len, begin + size), nullptr});
+        offsets.push_back(count > 1 ? floats : -1);
+        if (count > 1) floats += q_lens[b] * group * (dim + 2);
+      }
+  }
+  partials.resize(floats);
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (offsets[i] >= 0) parts[i].partial = partials.data() + offsets[i];
+  return parts;
 }
 
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
@@ -228,54 +273,107 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
   const int64_t dim = DIM > 0 ? DIM : run_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> partials;
+  const std::vector<Part> parts = plan_parts(seq_lens, q_lens, batch, kv_heads, group, dim, partials);
+  // row r of (b, h): query token r / group, head h * group + r % group
+  const auto target_of = [&](int64_t b, int64_t h, int64_t r) {
+    return out + ((b * max_q + r / group) * heads + h * group + r % group) * dim;
+  };
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, tile(std::is_same_v<T, float> ? 0 : TILE * dim);   // (16-bit caches' vectors)
     std::vector<float> q_rows, out_rows;                   // a 16-bit task's rows in float32
     std::vector<const float*> queries;
     std::vector<float*> outs;
-    std::vector<Q*> targets;                               // where a 16-bit task's rows go
-    std::vector<int64_t> limits;                           // the last key each row may see
+    std::vector<int64_t> seen;                             // the part's positions each row may see
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const int64_t len = seq_lens[b], nq = q_lens[b], rows = nq * group;
-      const int64_t stride = (len + TILE - 1) / TILE * TILE;   // a row of scores, whole tiles
+      const Part& part = parts[task];
+      const int64_t b = part.b, h = part.h, len = seq_lens[b], nq = q_lens[b], rows = nq * group;
+      const int64_t span = part.end - part.begin;
+      const int64_t stride = (span + TILE - 1) / TILE * TILE;   // a row of scores, whole tiles
+      const bool whole = part.partial == nullptr;
       scores.resize(rows * stride);                        // every entry is written below
       queries.resize(rows);
       outs.resize(rows);
-      targets.resize(rows);
-      limits.resize(rows);
+      seen.resize(rows);
       if constexpr (!kFloat) {
         q_rows.resize(rows * dim);
-        out_rows.assign(rows * dim, 0.0f);
+        if (whole) out_rows.assign(rows * dim, 0.0f);
       }
-      for (int64_t r = 0; r < rows; ++r) {                 // row r: query token r / group, head h * group + r % group
-        const int64_t i = r / group, head = h * group + r % group;
-        const Q* query = q + (q_index[b * max_q + i] * heads + head) * dim;
-        Q* target = out + ((b * max_q + i) * heads + head) * dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r / group;
+        const Q* query = q + (q_index[b * max_q + i] * heads + h * group + r % group) * dim;
         if constexpr (kFloat) {
           queries[r] = query;
-          outs[r] = target;
+          if (whole) outs[r] = target_of(b, h, r);
         } else {
           to_float(query, q_rows.data() + r * dim, dim);
           queries[r] = q_rows.data() + r * dim;
-          outs[r] = out_rows.data() + r * dim;
-          targets[r] = target;
+          if (whole) outs[r] = out_rows.data() + r * dim;
         }
-        limits[r] = len - nq + i;
+        if (!whole) {
+          outs[r] = part.partial + r * (dim + 2);
+          std::fill(outs[r], outs[r] + dim, 0.0f);
+        }
+        // the last key row r may see is len - nq + i
+        seen[r] = std::clamp<int64_t>(len - nq + i + 1 - part.begin, 0, span);
       }
       const int64_t* table = tables + b * table_stride;
-      for_each_tile(k_cache, table, len, block_size, token_stride, h, dim, tile.data(),
+      for_each_tile(k_cache, table, part.begin, part.end, block_size, token_stride, h, dim, tile.data(),
                     [&](int64_t j, int64_t, const float* const* keys) {
         for (int64_t r = 0; r < rows; ++r) tile_scores<DIM>(queries[r], keys, dim, scale, &scores[r * stride + j]);
       });
-      for (int64_t r = 0; r < rows; ++r) softmax(&scores[r * stride], limits[r] + 1, len);
-      for_each_tile(v_cache, table, len, block_size, token_stride, h, dim, tile.data(),
+      for (int64_t r = 0; r < rows; ++r) {
+        if (whole) {
+          softmax(&scores[r * stride], seen[r], span);
+        } else {
+          const Exponentials e = exponentiate(&scores[r * stride], seen[r], span);
+          outs[r][dim] = e.max;
+          outs[r][dim + 1] = e.sum;
+        }
+      }
+      for_each_tile(v_cache, table, part.begin, part.end, block_size, token_stride, h, dim, tile.data(),
                     [&](int64_t j, int64_t n, const float* const* values) {
         for (int64_t r = 0; r < rows; ++r) tile_accumulate<DIM>(outs[r], &scores[r * stride + j], values, n, dim);
       });
       if constexpr (!kFloat) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t d = 0; d < dim; ++d) targets[r][d] = static_cast<Q>(outs[r][d]);
+        if (whole)
+          for (int64_t r = 0; r < rows; ++r) {
+            Q* target = target_of(b, h, r);
+            for (int64_t d = 0; d < dim; ++d) target[d] = static_cast<Q>(outs[r][d]);
+          }
+      }
+    }
+  });
+  if (partials.empty()) return;
+  // merge each split (sequence, KV head)'s parts: o = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) sum_p
+  std::vector<int64_t> firsts;                             // the first part of each split pair
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].partial && parts[i].begin == 0) firsts.push_back(static_cast<int64_t>(i));
+  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights, merged(dim);
+    for (int64_t f = begin; f < end; ++f) {
+      const int64_t first = firsts[f], b = parts[first].b, h = parts[first].h, rows = q_lens[b] * group;
+      int64_t count = 0;
+      while (first + count < static_cast<int64_t>(parts.size()) && parts[first + count].b == b &&
+             parts[first + count].h == h)
+        ++count;
+      weights.resize(count);
+      for (int64_t r = 0; r < rows; ++r) {
+        float m = NEG_INF, total = 0.0f;
+        for (int64_t p = 0; p < count; ++p) m = std::max(m, parts[first + p].partial[r * (dim + 2) + dim]);
+        for (int64_t p = 0; p < count; ++p) {
+          const float* o = parts[first + p].partial + r * (dim + 2);
+          weights[p] = exp_nonpositive(o[dim] - m);
+          total += weights[p] * o[dim + 1];
+        }
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        for (int64_t p = 0; p < count; ++p) {
+          const float* o = parts[first + p].partial + r * (dim + 2);
+          const float w = weights[p] / total;
+          for (int64_t d = 0; d < dim; ++d) merged[d] += w * o[d];
+        }
+        Q* target = target_of(b, h, r);
+        for (int64_t d = 0; d < dim; ++d) target[d] = static_cast<Q>(merged[d]);
       }
     }
   });
