@@ -588,19 +588,27 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
       __m256i sums[M][A];
       for (int m = 0; m < M; ++m)
         for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
-      __m256i high = _mm256_setzero_si256();
-      // the half's chunks unrolled, so the sums' indices and the shifts are constants (registers, immediates)
-#pragma GCC unroll 16
-      for (int i = 0; i < kChunks / kHalves; ++i) {
-        const int c = h * (kChunks / kHalves) + i;
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
-        if constexpr (BITS == 8) {
-          const __m256i w = _mm256_cvtepi8_epi16(raw);
-          for (int m = 0; m < M; ++m) {
-            const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + c));
-            sums[m][i % A] = dot16(sums[m][i % A], w, x);
+      if constexpr (BITS == 8) {
+        // A chunks a step, one to each sum, the steps left rolled: unrolled whole (as below), the
+        // compiler ran every chunk's products ahead of their adds and spilled them to the stack
+        for (int i0 = 0; i0 < kChunks / kHalves; i0 += A) {
+#pragma GCC unroll 4
+          for (int i = 0; i < A; ++i) {
+            const int c = h * (kChunks / kHalves) + i0 + i;
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c)));
+            for (int m = 0; m < M; ++m) {
+              const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(x32[m] + b * 16 + c));
+              sums[m][i] = dot16(sums[m][i], w, x);
+            }
           }
-        } else {
+        }
+      } else {
+        __m256i high = _mm256_setzero_si256();
+        // the half's chunks unrolled, so the sums' indices and the shifts are constants (registers, immediates)
+#pragma GCC unroll 16
+        for (int i = 0; i < kChunks / kHalves; ++i) {
+          const int c = h * (kChunks / kHalves) + i;
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * c));
           const __m256i v = _mm256_cvtepu8_epi16(raw);
           __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
           if constexpr (BITS > 4) {
