@@ -167,11 +167,13 @@ inline void tile_scores(const float* q, const float* const* rows, int64_t dim, f
   if constexpr (DIM > 0 && DIM % Floats::W == 0) {
     using F = Floats;
     for (int64_t t0 = 0; t0 < TILE; t0 += F::W) {      // W positions a pass, their sums in one vector
+      // a chunk of q loaded once for the W positions (a load a multiply-add, not two)
       typename F::V acc[F::W];
-      for (int64_t t = 0; t < F::W; ++t) {
-        const float* row = rows[t0 + t];
-        acc[t] = F::mul(F::load(q), F::load(row));
-        for (int64_t c = 1; c < DIM / F::W; ++c) acc[t] = F::fmadd(F::load(q + F::W * c), F::load(row + F::W * c), acc[t]);
+      const typename F::V q0 = F::load(q);
+      for (int64_t t = 0; t < F::W; ++t) acc[t] = F::mul(q0, F::load(rows[t0 + t]));
+      for (int64_t c = 1; c < DIM / F::W; ++c) {
+        const typename F::V qc = F::load(q + F::W * c);
+        for (int64_t t = 0; t < F::W; ++t) acc[t] = F::fmadd(qc, F::load(rows[t0 + t] + F::W * c), acc[t]);
       }
       F::store(scores + t0, F::mul(F::sums(acc), F::splat(scale)));
     }
