@@ -33,9 +33,10 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group, dim)
     g = torch.Generator().manual_seed(block_size * 10 + group)
     kv_heads = 2
     # decodes, and decodes verifying drafts; past 256 positions a context is split into parts
-    # merged after (1000: four; 257 with three rows: the first two see none of the second part)
-    lens = [300, 1, 17, 64, 129, 250, 1000, 257, 520]
-    qlens = [1, 1, 3, 1, 5, 2, 1, 3, 4]
+    # merged after (1000: four of 256, 256, 256, 232; 290 with 160 query rows: parts of 160 and
+    # 130, so the first 30 rows see none of the second)
+    lens = [300, 1, 17, 64, 129, 250, 1000, 257, 520, 290]
+    qlens = [1, 1, 3, 1, 5, 2, 1, 3, 4, 160]
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 1
     values = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)

@@ -589,8 +589,9 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
       for (int m = 0; m < M; ++m)
         for (int i = 0; i < A; ++i) sums[m][i] = _mm256_setzero_si256();
       if constexpr (BITS == 8) {
-        // A chunks a step, one to each sum, the steps left rolled: unrolled whole (as below), the
-        // compiler ran every chunk's products ahead of their adds and spilled them to the stack
+        // A chunks a step, one to each sum: unrolled whole (as below), GCC ran the 4-row pass's
+        // products ahead of their adds and spilled them to the stack; so the 1 and 4-row passes
+        // keep their sums in registers (GCC still unrolls the 2-row pass whole, with spills)
         for (int i0 = 0; i0 < kChunks / kHalves; i0 += A) {
 #pragma GCC unroll 4
           for (int i = 0; i < A; ++i) {
