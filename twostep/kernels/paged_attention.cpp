@@ -240,22 +240,28 @@ struct Part {
   float* partial;   // [rows][dim + 2]: o, m, sum; null where the part is the whole context
 };
 
-// The parts of every (sequence, KV head), in that order (a split pair's parts are neighbours), and
-// the scratch their partial results go to.
+// A split (sequence, KV head): its parts are parts[first, first + count).
+struct Split { int64_t first, count; };
+
+// The parts of every (sequence, KV head), in that order, the split pairs among them, and the
+// scratch the split parts' partial results go to.
 inline std::vector<Part> plan_parts(const int64_t* seq_lens, const int64_t* q_lens, int64_t batch, int64_t kv_heads,
-                                    int64_t group, int64_t dim, std::vector<float>& partials) {
+                                    int64_t group, int64_t dim, std::vector<Split>& splits, std::vector<float>& partials) {
   std::vector<Part> parts;
   std::vector<int64_t> offsets;
   int64_t floats = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = seq_lens[b], count = (len + kPart - 1) / kPart;
     const int64_t size = ((len + count - 1) / count + TILE - 1) / TILE * TILE;
-    for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t first = static_cast<int64_t>(parts.size());
       for (int64_t begin = 0; begin < len; begin += size) {
         parts.push_back({b, h, begin, std::min(len, begin + size), nullptr});
         offsets.push_back(count > 1 ? floats : -1);
         if (count > 1) floats += q_lens[b] * group * (dim + 2);
       }
+      if (count > 1) splits.push_back({first, static_cast<int64_t>(parts.size()) - first});
+    }
   }
   partials.resize(floats);
   for (size_t i = 0; i < parts.size(); ++i)
@@ -275,8 +281,9 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
   const int64_t dim = DIM > 0 ? DIM : run_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
+  std::vector<Split> splits;
   std::vector<float> partials;
-  const std::vector<Part> parts = plan_parts(seq_lens, q_lens, batch, kv_heads, group, dim, partials);
+  const std::vector<Part> parts = plan_parts(seq_lens, q_lens, batch, kv_heads, group, dim, splits, partials);
   // row r of (b, h): query token r / group, head h * group + r % group
   const auto target_of = [&](int64_t b, int64_t h, int64_t r) {
     return out + ((b * max_q + r / group) * heads + h * group + r % group) * dim;
@@ -346,20 +353,13 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
       }
     }
   });
-  if (partials.empty()) return;
   // merge each split (sequence, KV head)'s parts: o = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) sum_p
-  std::vector<int64_t> firsts;                             // the first part of each split pair
-  for (size_t i = 0; i < parts.size(); ++i)
-    if (parts[i].partial && parts[i].begin == 0) firsts.push_back(static_cast<int64_t>(i));
   // (a pair's merge is a fraction of a microsecond: up to 16 pairs on the calling thread, no fork and join)
-  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> weights, merged(dim);
     for (int64_t f = begin; f < end; ++f) {
-      const int64_t first = firsts[f], b = parts[first].b, h = parts[first].h, rows = q_lens[b] * group;
-      int64_t count = 0;
-      while (first + count < static_cast<int64_t>(parts.size()) && parts[first + count].b == b &&
-             parts[first + count].h == h)
-        ++count;
+      const auto [first, count] = splits[f];
+      const int64_t b = parts[first].b, h = parts[first].h, rows = q_lens[b] * group;
       weights.resize(count);
       for (int64_t r = 0; r < rows; ++r) {
         float m = NEG_INF, total = 0.0f;
