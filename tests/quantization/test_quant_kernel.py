@@ -531,8 +531,8 @@ def test_bytes_held_match_the_packed_layout(qtype, bits):
 def test_wide_pass_builds_take_more_rows_in_passes():
     """With the 8-row pass (AVX-512 builds) 4 and 8-bit panels take up to 64 fp16 rows in passes
     of the matrix-vector product, 6-bit ones 32 (the measured crossovers with dequantized tiles), bf16
-    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows up to 8 where an AVX2
-    build has gemm_f32; row layouts and other builds 32."""
+    rows up to 16 where the build has gemm_bf16 (else as fp16); float32 rows up to 8 (8-bit codes 16)
+    where an AVX2 build has gemm_f32; row layouts and other builds 32."""
     kernel = panel_kernel()
     method = QuantizedLinearMethod(kernel)
     weights = {q: QuantizedWeight((pack_gguf(random_blocks(q, 16, 256, seed=1), q, 16, 256),))
@@ -541,7 +541,7 @@ def test_wide_pass_builds_take_more_rows_in_passes():
         assert method.gemv_max_rows(w, torch.bfloat16) == GEMV_MAX_ROWS            # the row layout
         assert method.gemv_max_rows(w, torch.float32) == GEMV_MAX_ROWS
     f32 = [method.gemv_max_rows(method.prepare(w), torch.float32) for w in weights.values()]
-    assert f32 == ([8, 8, 8] if kernel.has_f32_gemm() and not kernel.wide_pass() else [GEMV_MAX_ROWS] * 3)
+    assert f32 == ([8, 16, 8] if kernel.has_f32_gemm() and not kernel.wide_pass() else [GEMV_MAX_ROWS] * 3)
     if not kernel.wide_pass():
         pytest.skip("this build has no 8-row pass (AVX2 or portable)")
     assert [method.gemv_max_rows(method.prepare(w), torch.float16) for w in weights.values()] == [64, 64, 32]
@@ -648,20 +648,27 @@ def test_f32_gemm_product(qtype, n, k, rows):
 def test_f32_gemm_is_the_prefill_product():
     """Where torch's float brgemm runs (oneDNN's: the AVX2 builds here), a float32 prompt's rows
     against the panel layout take gemm_f32 past the crossovers (not the dequantized tiles): one
-    quant_gemm_f32 call per part, no dequantize_rows; the tiles give the same product."""
+    quant_gemm_f32 call per part, no dequantize_rows; the tiles give the same product. Each part
+    has its own code width's crossover (8-bit codes keep their passes longer)."""
     kernel = f32_gemm_kernel()
     method = QuantizedLinearMethod(kernel)
     if not method.f32_gemm:
         pytest.skip("AVX-512 builds keep the tiles for float32 rows (gemm_f32 is measured on AVX2)")
     parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_K, 64), (QType.Q8_0, 16))]
     weight = method.prepare(QuantizedWeight.stack(parts))
-    x = torch.randn(F32_GEMM_GEMV_MAX_ROWS + 1, 256)
+    four, eight = F32_GEMM_GEMV_MAX_ROWS[4], F32_GEMM_GEMV_MAX_ROWS[8]
+    assert four < eight
+    x = torch.randn(eight + 1, 256)
     with torch.profiler.profile() as prof:
         got = method.matmul(weight, x)
     names = [e.name for e in prof.events()]
     assert names.count("twostep::quant_gemm_f32") == 2 and "twostep::quant_dequantize_rows" not in names
+    with torch.profiler.profile() as prof:      # between the crossovers: the 4-bit part's gemm_f32, the 8-bit's passes
+        method.matmul(weight, x[:four + 1])
+    names = [e.name for e in prof.events()]
+    assert names.count("twostep::quant_gemm_f32") == 1 and names.count("twostep::quant_gemv") == 1
     with torch.profiler.profile() as prof:      # up to the crossover: each part's passes in one call
-        method.matmul(weight, x[:F32_GEMM_GEMV_MAX_ROWS])
+        method.matmul(weight, x[:four])
     names = [e.name for e in prof.events()]
     assert names.count("twostep::quant_gemm_f32") == 0 and names.count("twostep::quant_gemv") == 2
     x = torch.randn(70, 256)

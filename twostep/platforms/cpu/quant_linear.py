@@ -66,12 +66,12 @@ WIDE_GEMV_MAX_ROWS = {4: 64, 5: 48, 6: 32, 8: 64}
 # ... and for bf16 activations where the kernel has gemm_bf16 (the same linears, Zen 4: gemm_bf16
 # is 0.93-1.05x the passes at 16 rows, 1.1-1.5x at 24, 1.2-1.4x at 32, 1.6-1.8x at 64)
 BF16_GEMM_GEMV_MAX_ROWS = 16
-# ... and for float32 activations where the kernel has gemm_f32 (AVX2 CPUs; the same linears, Zen 1:
-# gemm_f32 1.01-1.22x the passes at 8 rows for 4 to 6-bit codes, 1.26-1.49x at 16; 8-bit codes,
-# whose passes need no decoding, 0.86-0.88x at 8, 1.05-1.12x at 12, 1.06-1.09x at 16, 1.3x at 24 and
-# 32, against the passes in one call; 2026-12-05, the weights and the head of a quarter of the Qwen
-# shape); float32 math, which the passes' int16 activations are not
-F32_GEMM_GEMV_MAX_ROWS = 8
+# ... and for float32 activations where the kernel has gemm_f32 (AVX2 CPUs), by code width (the same
+# linears, Zen 1: gemm_f32 1.01-1.22x the passes at 8 rows for 4 to 6-bit codes, 1.26-1.49x at 16,
+# 2026-12-05; 8-bit codes, whose passes need no decoding and take two chunks a load, 0.70x at 8,
+# 0.83x at 12, 0.89x at 16, 1.00x at 24, 1.05x at 32, against the passes in one call, 2026-12-06);
+# float32 math, which the passes' int16 activations are not
+F32_GEMM_GEMV_MAX_ROWS = {4: 8, 5: 8, 6: 8, 8: 16}
 TILE_BYTES = 4 << 20       # the dequantized tile a matrix-matrix product multiplies at once
 
 
@@ -239,7 +239,7 @@ class QuantizedLinearMethod:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than the
         matrix-matrix product (the measured crossovers above); onednn as in _takes_bf16_gemm."""
         if self._takes_f32_gemm(part, dtype, onednn):
-            return F32_GEMM_GEMV_MAX_ROWS
+            return F32_GEMM_GEMV_MAX_ROWS[part.fmt.bits]
         if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
         if self._takes_bf16_gemm(part, dtype, onednn):
