@@ -7,7 +7,8 @@
 //     sum_i w_i x_i = sum_groups scale * xd * sum_i q_i xq_i + (min - zero * scale) * xd * sum_i xq_i
 //   The second term needs only each block's sum of xq, computed once per call.
 //   Paths, chosen where the kernel is built (on the machine that runs it, -march=native):
-//   AVX-VNNI / AVX512-VNNI dpwssd, AVX2 madd, and plain C++ as the fallback.
+//   AVX-VNNI / AVX512-VNNI dpwssd, AVX2 madd, and plain C++ as the fallback; without AVX-512, 8-bit
+//   codes read the activations in a layout of their own (quads, below).
 // gemm_int8 (AVX2 and up, 4 to 6-bit codes, 8-bit too with VNNI; the engine's
 //   --cpu-int8-activations, by default in decode batches): any number of rows with the activations quantized per block of 32 to
 //   int8, as llama.cpp quantizes them for its products (a step of max|x| / 127 a block: about
@@ -652,9 +653,9 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
         for (int m = 0; m < M; ++m) quads[m] = quad_rows[m] + (b * (kBlock / 4) + h * kPairs) * 16;
         quad_sums<M, M == 1 ? 2 : 1>(block + 32 * h * kPairs, kPairs, quads, total);
       } else if constexpr (BITS == 8) {
-        // A chunks a step, one to each sum: unrolled whole (as below), GCC ran the 4-row pass's
-        // products ahead of their adds and spilled them to the stack; so the 1 and 4-row passes
-        // keep their sums in registers (GCC still unrolls the 2-row pass whole, with spills)
+        // (AVX-512 builds) A chunks a step, one to each sum: unrolled whole (as below), GCC ran the
+        // 4-row pass's products ahead of their adds and spilled them to the stack (AVX2, before it
+        // took the quads)
         for (int i0 = 0; i0 < kChunks / kHalves; i0 += A) {
 #pragma GCC unroll 4
           for (int i = 0; i < A; ++i) {
