@@ -217,18 +217,24 @@ def test_a_decode_row_does_not_depend_on_its_batch(tiny_model_dir):
     assert [outputs(plain, [p], params)[0] for p in prompts[:3]] != alone[:3]
 
 
-def test_nine_quantized_decodes_take_the_layers(tiny_model_dir):
-    """Without int8 activations the stack takes what the matrix-vector kernel takes: 8 rows."""
+def test_one_quantized_decode_more_than_the_passes_take_runs_the_layers(tiny_model_dir):
+    """Without int8 activations the stack takes the rows the matrix-vector kernel's passes take (for
+    these 8-bit codes in float32: 16 on AVX2 builds with gemm_f32, 32 on others), its max_rows;
+    one decode more runs the layers."""
     engine = stack_or_skip(make(tiny_model_dir("llama"), quantization="int8", max_num_batched_tokens=256,
                                 cpu_int8_activations="off"))
+    limit = engine.model.fused_decode.max_rows
+    down = engine.model.model.layers[0].mlp.down_proj
+    assert limit == down.method.call_rows(down.quantized.parts[0], torch.float32)
     counted = CountedStack(engine)
-    for i in range(9):
+    for i in range(limit + 1):
         engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    engine.step()                                    # nine prompts in one step
-    engine.step()                                    # nine decodes: one more than the kernel takes
+    engine.step()                                    # the prompts in one step
+    assert len(engine.scheduler.running) == limit + 1
+    engine.step()                                    # one decode more than the passes take
     assert counted.taken == 0
     engine.abort_request([r.request_id for r in list(engine.scheduler.running)][:1])
-    engine.step()                                    # eight
+    engine.step()                                    # as many as they take
     assert counted.taken == 1
 
 
