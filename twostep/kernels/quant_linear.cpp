@@ -564,7 +564,7 @@ inline void prefetch_ahead(const uint8_t* p, int n) {
 // of q as a vector, the first pair four times in the low lane and the second in the high one (chunk
 // c's pair beside chunk c's codes, c + 1's beside c + 1's). No broadcast, and no lane-crossing
 // widening (vpmovsxbw), in a loop that Zen 1's one integer-multiply pipe bounds: in L2, one thread,
-// 1.07x / 1.23x / 1.45x the broadcast form's rate at 1 / 2 / 4 rows; the sums are the same integers.
+// 1.07-1.10x / 1.2x / 1.4x the broadcast form's rate at 1 / 2 / 4 rows; the same integer sums.
 constexpr bool kQuadPasses = !kWidePass;
 
 // a.quads from a.q, [rows, k / 4, 16]
@@ -582,7 +582,8 @@ void expand_quads(QuantizedActivations& a, int64_t rows, int64_t k) {
 
 // The int32 sums of M rows' activations (quads[m], from the first chunk pair's quad) against `pairs`
 // chunk pairs of a panel's 8-bit block from `chunks`: total[m]'s lane j for the panel's row j. A
-// independent sums each of lo and hi a row, for about eight multiply-add chains in flight.
+// independent sums each of lo and hi a row (two at one row), so that four to eight multiply-add
+// chains are in flight.
 template <int M, int A>
 inline void quad_sums(const uint8_t* chunks, int pairs, const int16_t* const quads[M], __m256i total[M]) {
   __m256i lo_sums[M][A], hi_sums[M][A];
@@ -700,14 +701,15 @@ inline void panel_dot(const Planes& p, int64_t panel, const QuantizedActivations
       for (int m = 0; m < M; ++m) {
         const int64_t at = (m0 + m) * nb + b;
         // sum_i (q_i - zero) x_i = xd * sum_i q_i xq_i - zero * (the half blocks' sums of x); without
-        // a zero point (8-bit codes) the product alone, the same float (~5% of an 8-row Q8_0 pass)
-        const __m256 sums = _mm256_cvtepi32_ps(total[m]), scale = _mm256_set1_ps(a.scale[at]);
+        // a zero point (8-bit codes, formats with mins) the product alone, the same value (~6% of an 8-row
+        // Q8_0 pass)
+        const __m256 integer = _mm256_cvtepi32_ps(total[m]), scale = _mm256_set1_ps(a.scale[at]);
         __m256 dot;
         if (p.zero == 0) {
-          dot = _mm256_mul_ps(sums, scale);
+          dot = _mm256_mul_ps(integer, scale);
         } else {
           const float xsum = G16 ? a.half_sums[2 * at + h] : a.half_sums[2 * at] + a.half_sums[2 * at + 1];
-          dot = _mm256_fmsub_ps(sums, scale, _mm256_set1_ps(zero * xsum));
+          dot = _mm256_fmsub_ps(integer, scale, _mm256_set1_ps(zero * xsum));
         }
         acc[m] = _mm256_fmadd_ps(d, dot, acc[m]);
       }
