@@ -66,12 +66,16 @@ def kernel_builds():
 
 def int8_kernel(build: str):
     """The build whose int8 product a test checks: "simd" the native one; "avx2" the AVX2-only
-    build, on CPUs whose native build has VNNI (elsewhere the native build is that one: skipped)."""
+    build, on CPUs whose native build has VNNI (elsewhere the native build is that one: skipped);
+    "other-dot" the native build with the small-row product's other step width (256 or 512-bit:
+    kernels.wide_dot_flags()), on CPUs with AVX512-VNNI (elsewhere there is one width: skipped)."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
     if build == "simd":
         return kernel
+    if build == "other-dot":
+        return other_dot_kernel(kernel)
     if kernel.path() == "avx2":
         pytest.skip("the native build is the AVX2 one here")
     avx2 = kernels.quant_linear_avx2()
@@ -81,7 +85,22 @@ def int8_kernel(build: str):
     return avx2
 
 
-INT8_BUILDS = ["simd", "avx2"]
+def other_dot_kernel(native):
+    if "avx512_vnni" not in cpu_flags() or "avx512bw" not in cpu_flags():
+        pytest.skip("the 512-bit steps of the small-row int8 product need AVX512-VNNI")
+    other = kernels.quant_linear_other_dot()
+    if other is None:
+        pytest.skip("the other-width build of the kernel could not be built here")
+    assert other.wide_dot() != native.wide_dot()
+    return other
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+INT8_BUILDS = ["simd", "avx2", "other-dot"]
 
 
 def shapes(qtype):
@@ -470,6 +489,29 @@ def test_an_int8_rows_sums_do_not_depend_on_its_batch(qtype, build):
             torch.testing.assert_close(every[:8].float(), int16.float(), rtol=0, atol=INT8_RTOL * scale)
 
 
+@pytest.mark.parametrize("qtype", PANEL_TYPES + ["int8", "int4"])
+def test_both_step_widths_of_the_small_row_product_give_the_same_bits(qtype):
+    """The small-row int8 product in 512-bit steps (two step pairs a vector) and in 256-bit ones
+    adds the same int32 sums in other lanes: the same outputs bit for bit, 1-7 rows, both dtypes."""
+    native = int8_kernel("simd")
+    other = int8_kernel("other-dot")
+    n, k = 48, 768
+    if isinstance(qtype, str):
+        weight = QuantizedWeight((quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), qtype),))
+    else:
+        weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=9), qtype, n, k),))
+    part = QuantizedLinearMethod(native).prepare(weight).parts[0]
+    assert part.panels and part.fmt.bits in native.int8_bits()
+    args = (*part.planes(), part.fmt.bits, part.fmt.group, part.fmt.zero)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)).to(dtype)
+        for rows in range(1, 8):
+            got, expected = torch.empty(rows, n, dtype=dtype), torch.empty(rows, n, dtype=dtype)
+            native.gemm_int8(x[:rows], *args, got)
+            other.gemm_int8(x[:rows], *args, expected)
+            assert torch.equal(got, expected), (dtype, rows)
+
+
 def test_panel_layout_only_where_it_fits():
     """Row counts not a multiple of 8 keep the row layout; the portable build (no panel product)
     keeps it for everything."""
@@ -502,8 +544,7 @@ def test_kernel_paths_are_named():
     """The build takes the path this CPU's features select (not silently a plainer one)."""
     builds = kernel_builds()
     assert builds["portable"].path() == "scalar"
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    flags = cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
         expected = "avx2"
         if "avx_vnni" in flags:
@@ -514,6 +555,9 @@ def test_kernel_paths_are_named():
         assert builds["simd"].has_int8() and builds["simd"].has_panels()
         # 8-bit codes in the int8 product: VNNI's u8 x s8 product (vpdpbusd) sums in int32
         assert set(builds["simd"].int8_bits()) == ({4, 5, 6} if expected == "avx2" else {4, 5, 6, 8})
+        # 512-bit steps in the small-row int8 product where the CPU runs them at full width (Zen 5)
+        wide = bool(kernels.wide_dot_flags()) and {"avx512_vnni", "avx512bw"} <= flags
+        assert builds["simd"].wide_dot() == wide
     assert not builds["portable"].has_int8() and not builds["portable"].has_panels()
 
 

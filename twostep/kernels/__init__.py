@@ -168,6 +168,22 @@ def elementwise():
     return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))
 
 
+@functools.lru_cache(maxsize=None)
+def wide_dot_flags() -> tuple[str, ...]:
+    """-DTWOSTEP_WIDE_DOT where the small-row int8 product's 512-bit steps were measured faster than
+    its 256-bit ones: an AMD Zen 5 or later (vendor AuthenticAMD, cpu family 26 and up), whose cores
+    run 512-bit vectors at full width (quant_linear.cpp, kWideDot). A Zen 4 runs them as two halves;
+    Intel's AVX-512 cores are not measured: both keep the 256-bit steps."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]         # the first processor's fields
+        fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+        amd = fields.get("vendor_id") == "AuthenticAMD"
+        return ("-DTWOSTEP_WIDE_DOT",) if amd and int(fields.get("cpu family", "0")) >= 26 else ()
+    except (OSError, ValueError):
+        return ()
+
+
 # float sums in the order the source writes them: the int8 product's paths for 1, 8 and more rows
 # add the same terms in the same order, and must get the same bits (a decode row's logits do not
 # depend on its batch), which a compiler free to reassociate (-fassociative-math) does not keep
@@ -178,7 +194,7 @@ _IN_ORDER = ("-fno-associative-math",)
 def quant_linear():
     """Matrix-vector products and row dequantisation on twostep's packed quantized layout
     (AVX-VNNI / AVX512-VNNI / AVX2, else plain C++), or None when it cannot be built here."""
-    return _load("twostep_quant_linear", "quant_linear.cpp", _IN_ORDER)
+    return _load("twostep_quant_linear", "quant_linear.cpp", (*_IN_ORDER, *wide_dot_flags()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,6 +212,16 @@ def quant_linear_avx2():
     too (on an AVX2-only CPU the native build is this one)."""
     return _load("twostep_quant_linear_avx2", "quant_linear.cpp",
                  ("-mno-avx512f", "-mno-avxvnni", "-DTWOSTEP_VARIANT=twostep_avx2", *_IN_ORDER))
+
+
+@functools.lru_cache(maxsize=None)
+def quant_linear_other_dot():
+    """The same kernel with the other step width of the small-row int8 product (TWOSTEP_WIDE_DOT
+    toggled against the native build), in its own op namespace: built by the tests on AVX512-VNNI
+    CPUs, so the 256 and 512-bit steps are both checked there (elsewhere it is the native build)."""
+    toggled = () if wide_dot_flags() else ("-DTWOSTEP_WIDE_DOT",)
+    return _load("twostep_quant_linear_other_dot", "quant_linear.cpp",
+                 (*toggled, "-DTWOSTEP_VARIANT=twostep_other_dot", *_IN_ORDER))
 
 
 @functools.lru_cache(maxsize=None)
