@@ -1323,10 +1323,10 @@ constexpr int64_t kSmallRows = 8;
 // kernels/__init__.py), the small-row product takes two step pairs a vector: pair_quads' q0 of pairs
 // 2i and 2i + 1 side by side, against 64 bytes of pair_layout as they lie (4 and 8-bit codes in
 // groups of 32 or more; 5 and 6-bit codes and groups of 16 keep the 256-bit steps). The same int32
-// sums in other lanes: the same bits. On a Zen 5 (AVX512-VNNI, two threads, the int8 product of
-// the four linears of a Qwen2.5-0.5B-shape layer, in cache): 1.14-1.16x the 256-bit steps at 1 row,
-// 1.08-1.19x at 2, 1.13-1.21x at 4; a Zen 4 runs 512-bit vectors as two halves, where a
-// microbenchmark found them 0.87x.
+// sums in other lanes: the same bits. On a Zen 5 (AVX512-VNNI, two threads, Q4_0 / Q4_1 / Q4_K /
+// Q8_0, 1, 2 and 4 rows, two runs): 1.09-1.22x the 256-bit steps on a layer's four linears in
+// cache, 0.99-1.10x on a step's 97 streamed from memory (memory-bound there, more so at 1 row); a
+// Zen 4 runs 512-bit vectors as two halves, where a microbenchmark found them 0.87x.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(TWOSTEP_WIDE_DOT)
 constexpr bool kWideDotBuild = true;
 template <int BITS, bool G16>
