@@ -172,8 +172,10 @@ def elementwise():
 def wide_dot_flags() -> tuple[str, ...]:
     """-DTWOSTEP_WIDE_DOT where the small-row int8 product's 512-bit steps were measured faster than
     its 256-bit ones: an AMD Zen 5 or later (vendor AuthenticAMD, cpu family 26 and up), whose cores
-    run 512-bit vectors at full width (quant_linear.cpp, kWideDot). A Zen 4 runs them as two halves;
-    Intel's AVX-512 cores are not measured: both keep the 256-bit steps."""
+    run 512-bit vectors at full width (quant_linear.cpp, kWideDot; measured on an EPYC, model 2). A Zen
+    4 runs them as two halves, and Intel's AVX-512 cores are not measured: both keep the 256-bit steps.
+    Zen 5 laptop parts, said to split 512-bit vectors as Zen 4 does, take the 512-bit steps too
+    (not measured: the same sums either way)."""
     try:
         with open("/proc/cpuinfo") as f:
             first = f.read().split("\n\n", 1)[0]         # the first processor's fields

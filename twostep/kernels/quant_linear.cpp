@@ -919,6 +919,13 @@ inline __m256i unsigned_code(__m256i c) {
   if constexpr (BITS == 8) return _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
   return c;
 }
+#if defined(__AVX512BW__)
+template <int BITS>
+inline __m512i unsigned_code(__m512i c) {
+  if constexpr (BITS == 8) return _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
+  return c;
+}
+#endif
 
 template <int BITS>
 inline void unsigned_codes(__m256i c[8]) {
@@ -1316,6 +1323,12 @@ Buffer<int8_t> small_row_layout(const Int8Activations& a, int64_t rows, int64_t 
   return kDpbusd ? pair_layout(a, rows, k) : half_pair_layout(a, rows, k);
 }
 
+// The panel's 8 rows' sums in order from pair_quads' two sums (rows 0-3 in each 128-bit lane of s0,
+// rows 4-7 in s1's): each row's two lanes added
+inline __m256i rows_in_order(__m256i s0, __m256i s1) {
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
 // gemm_int8 takes gemv_int8_panels below this many rows
 constexpr int64_t kSmallRows = 8;
 
@@ -1346,12 +1359,8 @@ inline void wide_quads(const uint8_t* block, int i, __m512i& q0, __m512i& q1) {
     first = _mm512_and_si512(v, nibble);
     second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
   }
-  q0 = _mm512_unpacklo_epi16(first, second);
-  q1 = _mm512_unpackhi_epi16(first, second);
-  if constexpr (BITS == 8) {      // unsigned_code's bias
-    q0 = _mm512_xor_si512(q0, _mm512_set1_epi8(static_cast<char>(0x80)));
-    q1 = _mm512_xor_si512(q1, _mm512_set1_epi8(static_cast<char>(0x80)));
-  }
+  q0 = unsigned_code<BITS>(_mm512_unpacklo_epi16(first, second));
+  q1 = unsigned_code<BITS>(_mm512_unpackhi_epi16(first, second));
 }
 #else
 constexpr bool kWideDotBuild = false;
@@ -1400,7 +1409,7 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
         for (int m = 0; m < M; ++m) {     // each 128-bit lane holds rows 0-3 (s0) or 4-7 (s1): added
           const __m256i t0 = _mm256_add_epi32(_mm512_castsi512_si256(s0[m]), _mm512_extracti64x4_epi64(s0[m], 1));
           const __m256i t1 = _mm256_add_epi32(_mm512_castsi512_si256(s1[m]), _mm512_extracti64x4_epi64(s1[m], 1));
-          sum[m] = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+          sum[m] = rows_in_order(t0, t1);
         }
       } else if constexpr (kDpbusd) {
         __m256i s0[M][C], s1[M][C];
@@ -1418,8 +1427,7 @@ inline void panel_dot_int8(const Planes& p, int64_t panel, const Int8Activations
         }
         for (int m = 0; m < M; ++m) {
           for (int c = 1; c < C; ++c) s0[m][0] = _mm256_add_epi32(s0[m][0], s0[m][c]), s1[m][0] = _mm256_add_epi32(s1[m][0], s1[m][c]);
-          sum[m] = _mm256_add_epi32(_mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x20),
-                                    _mm256_permute2x128_si256(s0[m][0], s1[m][0], 0x31));
+          sum[m] = rows_in_order(s0[m][0], s1[m][0]);
         }
       } else {
         // W step pairs summed in int16 before they could overflow (each adds two products a lane,
