@@ -552,8 +552,15 @@ constexpr bool kWidePass = false;
 // 4-bit one leaves the hardware prefetcher behind. Alternating A/B of the two builds in one process
 // (21 rounds, the linears of a step at 1 row): Qwen-shape Q4_0 1.07-1.25x, Q4_K 1.08x, SmolLM2 Q4_1
 // 1.06x and its Q8_0 head 1.16x, Qwen-shape Q8_0 0.98x (memory-bound either way); 1-4 KB ahead all
-// gain, 2 KB the most; into L2 (T2) 0.93-0.99x of this.
+// gain, 2 KB the most; into L2 (T2) 0.93-0.99x of this. On a Zen 5, whose memory reads up to 80
+// GB/s, 4 KB: the whole Qwen-shape decode step (the distance set at run time, alternating in one
+// process) 1.05x (Q4_0) and 1.06x (Q8_0) where memory ran fast, 1.00x (0.99-1.00x) where it ran at
+// ~50 GB/s; 8 KB up to 1.13x fast but 0.97x on Q8_0 slow. kernels/__init__.py's prefetch_flags().
+#ifdef TWOSTEP_PREFETCH_AHEAD
+constexpr int kPrefetchAhead = TWOSTEP_PREFETCH_AHEAD;
+#else
 constexpr int kPrefetchAhead = 2048;
+#endif
 inline void prefetch_ahead(const uint8_t* p, int n) {
   for (int line = 0; line < n; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchAhead + line, _MM_HINT_T0);
 }
