@@ -200,6 +200,7 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
     assert all(m.impls["silu_and_mul"] is kernel.silu_and_mul for m in engine.model.modules()
                if isinstance(m, SiluAndMul))
     assert engine.runner.backend.write_values is kernel.write_kv
+    assert engine.runner.sampler.argmax is kernel.first_argmax       # the greedy pick in one call
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16",
                                     kv_cache_memory="4MiB"))
     assert engine.model.rotary.impls["rotary"] is kernel.rotary

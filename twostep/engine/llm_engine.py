@@ -52,7 +52,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.platform = get_platform(resolve_device(config.device), config.cpu)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
-        sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed),
+                          argmax=self.platform.custom_op("first_argmax", torch.float32))
         model_spec = ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
                                attention_backend=config.attention_backend, quantization=config.quantization, tp=tp)
         cache_spec = CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,

@@ -1,7 +1,8 @@
 // The small per-layer ops of a decoder step as one call each: RMSNorm (alone, or after the residual
-// add), rotary embedding (q and k in place), SiLU-and-multiply, and the K/V cache write. In a batch-1
-// decode step each torch op costs microseconds of dispatch for a few KB of work, and these are chains
-// of 3-12 ops per layer. They round where the PyTorch code they replace rounds (layers/norm.py,
+// add), rotary embedding (q and k in place), SiLU-and-multiply, and the K/V cache write; and the
+// greedy sampler's argmax over a row of logits. In a batch-1 decode step each torch op costs
+// microseconds of dispatch for a few KB of work, and these are chains of 3-12 ops per layer (more
+// where the step's weight stream has just evicted the caches' code and data). They round where the PyTorch code they replace rounds (layers/norm.py,
 // layers/rotary.py, layers/activation.py): rotary and the cache write are bit-identical to it;
 // RMSNorm sums its squares in another order and SiLU's exp is a polynomial here, so those two may
 // differ from torch in the last bit of a float32 (the tests bound it).
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -332,6 +334,66 @@ void write_kv(torch::Tensor values, const torch::Tensor& k, const torch::Tensor&
   }
 }
 
+
+// The index of the first maximum of x[0, n) as torch.argmax takes it: NaN counts as the largest
+// value (the first NaN wins), ties go to the first. One pass for the maximum (and whether there is
+// a NaN), one for its first position.
+inline int64_t first_max_index(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#ifdef TWOSTEP_AVX2
+  if (n >= 32) {              // four running maxima, so the loop is not one chain of dependent maxes
+    __m256 m[4], unordered = _mm256_setzero_ps();
+    for (auto& v : m) v = _mm256_set1_ps(best);
+    for (; i + 32 <= n; i += 32)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+        m[j] = _mm256_max_ps(m[j], v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float v : lanes) best = v > best ? v : best;
+  }
+#endif
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = x[i] > best ? x[i] : best;
+  }
+  i = 0;
+#ifdef TWOSTEP_AVX2
+  const __m256 target = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
+    if (hit != 0) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? std::isnan(x[i]) : x[i] == best) return i;
+  return 0;   // not reached: the maximum is one of the values
+}
+
+// x [rows, V] float32 -> [rows] int64: each row's first maximum, torch.argmax(x, dim=-1)'s answer
+// (the greedy sampler's pick) in one call, where torch's CPU argmax walks a row a value at a time
+// with its index (sample/argmax.py's first_argmax takes ~10 torch ops to avoid that).
+torch::Tensor first_argmax(const torch::Tensor& x) {
+  RECORD_FUNCTION("twostep::first_argmax", c10::ArrayRef<c10::IValue>({}));
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) > 0, "x: float32 [rows, V], V > 0");
+  const auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  auto out = torch::empty({rows}, xc.options().dtype(torch::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = first_max_index(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(twostep, m) {
@@ -341,6 +403,7 @@ TORCH_LIBRARY_FRAGMENT(twostep, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("write_kv(Tensor(a!) values, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.def("first_argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(twostep, CPU, m) {
@@ -350,6 +413,7 @@ TORCH_LIBRARY_IMPL(twostep, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("rotary_", &rotary_);
   m.impl("write_kv", &write_kv);
+  m.impl("first_argmax", &first_argmax);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -359,4 +423,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin, rounded as the PyTorch ops round");
   m.def("rotary_", &rotary_, "rotary, written back into x");
   m.def("write_kv", &write_kv, "k and v to the cache's slots");
+  m.def("first_argmax", &first_argmax, "each row's first maximum, as torch.argmax(x, dim=-1)");
 }

@@ -46,7 +46,8 @@ class Platform:
         return None
 
     def custom_op(self, name: str, dtype: torch.dtype) -> Callable | None:
-        """This platform's implementation of a CustomOp (layers/custom_op.py), or None: native."""
+        """This platform's implementation of a CustomOp (layers/custom_op.py), or of the sampler's
+        greedy pick ("first_argmax", sample/argmax.py), or None: native."""
         return None
 
     def paged_decode_attention(self, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:

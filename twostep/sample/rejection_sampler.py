@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.sample.argmax import first_argmax
 from twostep.sample.sampler import Sampler, SamplingRow, _sample_logprobs, apply_penalties
 from twostep.outputs import PositionLogprobs
 
@@ -60,7 +59,7 @@ class RejectionSampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} verified positions")
         raw = logits.float()
         x = apply_penalties(raw, rows)
-        argmax = first_argmax(x).tolist()
+        argmax = self.sampler.argmax(x).tolist()
         probs = self._target_probs(x, rows)
         out: list[Verified] = []
         offset = 0
@@ -135,7 +134,7 @@ def draft_sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]
     """A draft model's pick for each row, with the distribution it drew from (None for greedy
     rows, which take the argmax of the penalised logits as the target will)."""
     x = apply_penalties(logits.float(), rows)
-    tokens = first_argmax(x).tolist()
+    tokens = sampler.argmax(x).tolist()
     dists: list[torch.Tensor | None] = [None] * len(rows)
     sampled, p = sampled_probs(sampler, x, rows)
     for j, i in enumerate(sampled):

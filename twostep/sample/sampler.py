@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Callable
 
 import torch
 
@@ -231,9 +232,13 @@ def _top_k_top_p_drop(x: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 class Sampler:
     """Turns a batch of logits into one token per row (see the module docstring)."""
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
         # For rows without their own generator; None -> torch's global RNG.
         self.generator = generator
+        # [rows, V] float32 -> [rows] int64, each row's first maximum: the platform's one-call
+        # kernel where it has one (the same answers as first_argmax)
+        self.argmax = argmax or first_argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -244,7 +249,7 @@ class Sampler:
         x = apply_penalties(logits, rows)
         sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
         if not sampled:
-            tokens = first_argmax(x)
+            tokens = self.argmax(x)
         elif len(sampled) == len(rows):
             tokens = self._sample(x, rows)
         else:
@@ -253,14 +258,14 @@ class Sampler:
             greedy_idx = torch.tensor([i for i in range(len(rows)) if i not in sampled_set], device=dev)
             sampled_idx = torch.tensor(sampled, device=dev)
             tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
-            tokens[greedy_idx] = first_argmax(x[greedy_idx])
+            tokens[greedy_idx] = self.argmax(x[greedy_idx])
             tokens[sampled_idx] = self._sample(x[sampled_idx], [rows[i] for i in sampled])
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=_sample_logprobs(raw, rows, tokens))
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 4 for rows that all sample; returns their token ids ``[n]``."""
         probs = self.filtered_probs(x, rows)
-        return first_argmax(probs.div_(self._noise(rows, x.shape[1], x.device)))
+        return self.argmax(probs.div_(self._noise(rows, x.shape[1], x.device)))
 
     def filtered_probs(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 4 up to the draw: the distribution ``[n, V]`` sampled rows draw from, given
