@@ -1,9 +1,10 @@
 // The small per-layer ops of a decoder step as one call each: RMSNorm (alone, or after the residual
 // add), rotary embedding (q and k in place), SiLU-and-multiply, and the K/V cache write; and the
 // greedy sampler's argmax over a row of logits. In a batch-1 decode step each torch op costs
-// microseconds of dispatch for a few KB of work, and these are chains of 3-12 ops per layer (more
-// where the step's weight stream has just evicted the caches' code and data). They round where the PyTorch code they replace rounds (layers/norm.py,
-// layers/rotary.py, layers/activation.py): rotary and the cache write are bit-identical to it;
+// microseconds of dispatch for a few KB of work (more where the step's weight stream has just
+// evicted the caches' code and data), and these are chains of 3-12 ops per layer. They round where
+// the PyTorch code they replace rounds (layers/norm.py, layers/rotary.py, layers/activation.py):
+// rotary and the cache write are bit-identical to it;
 // RMSNorm sums its squares in another order and SiLU's exp is a polynomial here, so those two may
 // differ from torch in the last bit of a float32 (the tests bound it).
 //
@@ -333,7 +334,6 @@ void write_kv(torch::Tensor values, const torch::Tensor& k, const torch::Tensor&
     std::memcpy(base + (capacity + sp[t]) * bytes, vp + t * vs, bytes);
   }
 }
-
 
 // The index of the first maximum of x[0, n) as torch.argmax takes it: NaN counts as the largest
 // value (the first NaN wins), ties go to the first. One pass for the maximum (and whether there is
