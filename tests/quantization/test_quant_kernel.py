@@ -67,8 +67,9 @@ def kernel_builds():
 def int8_kernel(build: str):
     """The build whose int8 product a test checks: "simd" the native one; "avx2" the AVX2-only
     build, on CPUs whose native build has VNNI (elsewhere the native build is that one: skipped);
-    "other-dot" the native build with the small-row product's other step width (256 or 512-bit:
-    kernels.wide_dot_flags()), on CPUs with AVX512-VNNI (elsewhere there is one width: skipped)."""
+    "avx-vnni" the AVX-VNNI build without AVX-512 (avx_vnni_kernel); "other-dot" the native build
+    with the small-row product's other step width (256 or 512-bit: kernels.wide_dot_flags()), on
+    CPUs with AVX512-VNNI (elsewhere there is one width: skipped)."""
     kernel = kernel_builds()["simd"]
     if not kernel.has_int8():
         pytest.skip("the int8 product needs AVX2")
@@ -76,6 +77,8 @@ def int8_kernel(build: str):
         return kernel
     if build == "other-dot":
         return other_dot_kernel(kernel)
+    if build == "avx-vnni":
+        return avx_vnni_kernel()
     if kernel.path() == "avx2":
         pytest.skip("the native build is the AVX2 one here")
     avx2 = kernels.quant_linear_avx2()
@@ -83,6 +86,18 @@ def int8_kernel(build: str):
         pytest.skip("the AVX2-only build of the kernel could not be built here")
     assert avx2.path() == "avx2" and 8 not in avx2.int8_bits()
     return avx2
+
+
+def avx_vnni_kernel():
+    """The build for AVX-VNNI without AVX-512 (the native one on Intel's client cores since Alder
+    Lake), on CPUs that have both (elsewhere that build is the native one, or cannot run: skipped)."""
+    if not {"avx_vnni", "avx512f"} <= cpu_flags():
+        pytest.skip("the AVX-VNNI build is checked on CPUs with AVX-VNNI and AVX-512 (elsewhere it is native or absent)")
+    build = kernels.quant_linear_avx_vnni()
+    if build is None:
+        pytest.skip("the AVX-VNNI build of the kernel could not be built here")
+    assert build.path() == "avx-vnni" and 8 in build.int8_bits() and not (build.wide_pass() or build.wide_dot())
+    return build
 
 
 def other_dot_kernel(native):
@@ -100,7 +115,7 @@ def cpu_flags() -> set[str]:
     return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
-INT8_BUILDS = ["simd", "avx2", "other-dot"]
+INT8_BUILDS = ["simd", "avx2", "avx-vnni", "other-dot"]
 
 
 def shapes(qtype):
@@ -132,11 +147,11 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
         assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
 
 
-@pytest.mark.parametrize("build", ["simd", "portable"])
+@pytest.mark.parametrize("build", ["simd", "portable", "avx-vnni"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in CASES])
 def test_matmul_matches_float32_math(qtype, n, k, rows, build):
-    kernel = kernel_builds()[build]
+    kernel = avx_vnni_kernel() if build == "avx-vnni" else kernel_builds()[build]
     raw = random_blocks(qtype, n, k, seed=3 * n + k)
     weight = QuantizedWeight((pack_gguf(raw, qtype, n, k),))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
@@ -374,13 +389,14 @@ def test_panel_passes_take_a_batch_in_one_call(qtype):
         kernel.gemv(x, *args, torch.empty(limit + 1, part.n))
 
 
+@pytest.mark.parametrize("build", ["simd", "avx-vnni"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 40, 64, 96])
 @pytest.mark.parametrize("qtype,n,k", PANEL_CASES, ids=[f"{q.name}-{n}x{k}" for q, n, k in PANEL_CASES])
-def test_panel_layout_product(qtype, n, k, rows):
+def test_panel_layout_product(qtype, n, k, rows, build):
     """Weights bound in the panel layout multiply as the row layout's within float rounding (up to
     gemv_max_rows: passes of the panel product; more: dequantized tiles, bit for bit, or float32
     rows through gemm_f32 where the build has it, within float32 rounding)."""
-    method = QuantizedLinearMethod(panel_kernel())
+    method = QuantizedLinearMethod(avx_vnni_kernel() if build == "avx-vnni" else panel_kernel())
     weight = QuantizedWeight((pack_gguf(random_blocks(qtype, n, k, seed=5 * n + k), qtype, n, k),))
     panels = method.prepare(weight)
     assert panels.parts[0].panels

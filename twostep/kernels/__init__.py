@@ -229,6 +229,16 @@ def quant_linear_avx2():
 
 
 @functools.lru_cache(maxsize=None)
+def quant_linear_avx_vnni():
+    """The same kernel built for AVX2 with AVX-VNNI (256-bit vpdpbusd / vpdpwssd) and no AVX-512,
+    in its own op namespace: what the native build is on the CPUs with AVX-VNNI but no AVX-512
+    (Intel's client cores since Alder Lake), built by the tests on CPUs that have both (a Zen 5, a
+    Sapphire Rapids) so those paths are checked there too."""
+    return _load("twostep_quant_linear_avx_vnni", "quant_linear.cpp",
+                 ("-mno-avx512f", "-DTWOSTEP_VARIANT=twostep_avx_vnni", *_IN_ORDER))
+
+
+@functools.lru_cache(maxsize=None)
 def quant_linear_other_dot():
     """The same kernel with the other step width of the small-row int8 product (TWOSTEP_WIDE_DOT
     toggled against the native build), in its own op namespace: built by the tests on AVX512-VNNI
