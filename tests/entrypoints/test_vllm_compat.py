@@ -96,6 +96,22 @@ def test_output_kinds_and_metric_names(llm):
     assert m.num_generation_tokens == 8 and m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
 
 
+def test_final_only_outputs_are_the_last_cumulative_ones(llm):
+    """FINAL_ONLY (what generate asks for) builds no output until a request ends; then its text,
+    tokens, logprobs and finish reason are those of the cumulative stream's last output, with stop
+    strings (the held-back tail) and parallel samples too."""
+    for extra in (dict(stop=["play"], temperature=0), dict(n=2, seed=3, temperature=0.9)):
+        params = dict(max_tokens=24, ignore_eos=True, logprobs=1, **extra)
+        last = list(llm.stream("Once upon a time", SamplingParams(**params)))[-1]
+        final = llm.generate("Once upon a time", SamplingParams(**params))[0]
+        assert last.finished and final.finished
+        seen = lambda out: [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, len(c.logprobs))
+                            for c in sorted(out.outputs, key=lambda c: c.index)]
+        assert seen(final) == seen(last) and len(final.outputs) == extra.get("n", 1)
+        assert all(c.text for c in final.outputs)
+        assert (final.outputs[0].finish_reason == "stop") == ("stop" in extra)    # the stop string is met
+
+
 def test_trust_remote_code_does_not_make_an_architecture(folder, tmp_path):
     import json
     import shutil

@@ -45,16 +45,33 @@ class KVLayerCache:
 
     @property
     def raw_values(self) -> torch.Tensor:
-        """The values as plain bytes where torch lacks an op for the storage type (fp8 on CPU
-        has no index_copy_/index_fill_): copies and fills are bitwise, so a uint8 view works."""
-        if self.values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return self.values.view(torch.uint8)
-        return self.values
+        return _raw(self.values)
 
-    def zero_blocks(self, index: torch.Tensor) -> None:
-        self.raw_values.index_fill_(1, index, 0)
-        if self.scales is not None:
-            self.scales.index_fill_(1, index, 0)
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """t as plain bytes where torch lacks an op for its storage type (fp8 on CPU has no
+    index_copy_/index_fill_): copies and fills are bitwise, so a uint8 view works."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def block_fills(caches: list[KVLayerCache]) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, its block dimension) pairs whose index_fill_ zeroes blocks in every layer: where the
+    layers' caches are views of one tensor [layers, 2, blocks, ...], layer i its [i] (allocate_kv_cache
+    makes them so), that tensor, one fill for all layers (a fill costs microseconds of dispatch, and a
+    model has 24-32 layers); else each layer's own."""
+    fills = []
+    for part in ("values", "scales"):
+        layers = [getattr(c, part) for c in caches]
+        if layers[0] is None:
+            continue
+        whole = layers[0]._base
+        if (whole is not None and whole.dim() == layers[0].dim() + 1 and whole.shape[0] == len(layers)
+                and all(t._base is whole and t.data_ptr() == whole[i].data_ptr() and t.shape == whole.shape[1:]
+                        for i, t in enumerate(layers))):
+            fills.append((_raw(whole), 2))
+        else:
+            fills.extend((_raw(t), 1) for t in layers)
+    return fills
 
 
 def write_kv(cache: KVLayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -29,7 +29,11 @@ class PagedDecode:
     def build(self, common: AttentionMetadata, rows: list[int]) -> PagedDecodePlan:
         device = common.block_tables.device
         lens = [common.seq_lens[r] for r in rows]
-        tables = common.block_tables[rows, : blocks_for(max(lens), common.block_size)]
+        width = blocks_for(max(lens), common.block_size)
+        if len(rows) == len(common.seq_lens):    # every row, in order: the tables as they are
+            tables = common.block_tables[:, :width].contiguous()
+        else:
+            tables = common.block_tables[rows, :width]
         return PagedDecodePlan(DecodeRows.build(common, rows), tables,
                                torch.tensor([common.query_lens[r] for r in rows], device=device),
                                torch.tensor(lens, device=device))

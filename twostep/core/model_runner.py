@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from twostep.attention.backend import AttentionBackend
-from twostep.attention.kv_layer_cache import KVLayerCache
+from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
 from twostep.attention.metadata import AttentionMetadata
 from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
@@ -78,6 +78,7 @@ class ModelRunner:
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
         # Block tables are padded with the null block, which no request holds: zero it now.
         self._zeroed = bytearray(kv_caches[0].num_blocks)    # 1 where a block was zeroed or written
+        self._block_fills = block_fills(kv_caches)
         self.ensure_zeroed([NULL_BLOCK_ID])
 
     @torch.inference_mode()
@@ -131,8 +132,8 @@ class ModelRunner:
         if not fresh:
             return
         index = torch.tensor(fresh, device=self.device)
-        for cache in self.kv_caches:
-            cache.zero_blocks(index)
+        for tensor, dim in self._block_fills:
+            tensor.index_fill_(dim, index, 0)
         for b in fresh:
             zeroed[b] = 1
 

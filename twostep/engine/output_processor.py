@@ -96,6 +96,8 @@ class OutputProcessor:
                 self._finish(state, "stop", stop_string, now)
             elif core.finish_reason is not None:
                 self._finish(state, core.finish_reason, core.stop_reason, now)
+            if state.finish_reason is None and state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue                         # nothing to hand out yet: its text is taken at the end
             out = _of_kind(self._make_output(state, prev_len), state.params.output_kind)
             if out is not None:
                 result.outputs.append(out)

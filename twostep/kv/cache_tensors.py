@@ -115,10 +115,10 @@ def allocate_kv_cache(plan: KVCachePlan, num_layers: int, num_kv_heads: int, hea
     """plan.num_blocks blocks for requests and the null block (block 0: table padding), all
     uninitialised on purpose: zeroing gigabytes costs seconds at start (5.5 s for 5.7
     GiB on this CPU) and, on Linux, empty pages cost no memory until a block is first written. The
-    model runner zeroes the null block at start and every other block on its first use."""
+    model runner zeroes the null block at start and every other block on its first use.
+    Every layer's cache is a view of one tensor [layers, 2, blocks, ...] (and the scales of another),
+    so a block is zeroed in all layers at once (attention/kv_layer_cache.py, block_fills)."""
     shape = (2, plan.num_blocks + 1, plan.block_size, num_kv_heads)
-    storage = fmt.storage or dtype
-    return [KVLayerCache(torch.empty((*shape, head_dim), dtype=storage, device=device),
-                         torch.empty(shape, dtype=SCALE_DTYPE, device=device) if fmt.quantized else None,
-                         fmt)
-            for _ in range(num_layers)]
+    values = torch.empty((num_layers, *shape, head_dim), dtype=fmt.storage or dtype, device=device)
+    scales = torch.empty((num_layers, *shape), dtype=SCALE_DTYPE, device=device) if fmt.quantized else None
+    return [KVLayerCache(values[i], None if scales is None else scales[i], fmt) for i in range(num_layers)]
