@@ -105,10 +105,11 @@ def test_silu_and_mul_matches_the_torch_ops(dtype, shape):
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("width", [1536, 100, 8, 3])
+@pytest.mark.parametrize("width", [1536, 100, 40, 17, 8, 3])
 def test_bf16_silu_and_mul_rounds_the_float32_silu(width):
-    """bf16 (vectors of 8, then a scalar tail): silu in float32 rounded to bf16 (nearest even,
-    NaN kept), times up, rounded again: the float32 kernel's silu, rounded by torch."""
+    """bf16 (vectors of 16 where the build has AVX-512, of 8, then a scalar tail): silu in float32
+    rounded to bf16 (nearest even, NaN kept), times up, rounded again: the float32 kernel's silu,
+    rounded by torch."""
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(width)
     gate = (torch.randn(2, width, generator=g) * 6).to(torch.bfloat16)

@@ -201,9 +201,57 @@ inline void silu_mul_scalar(const T* g, const T* u, T* o, int64_t n) {
   }
 }
 
+#if defined(TWOSTEP_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+// exp8, to_bf16 and the loads above for 16 floats: the same operations lane by lane, so the same
+// bits. SiLU-and-mul takes them (bf16 at 4,864 columns: 2.8 us a call warm against 5.2 in vectors of 8)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+inline void store16(at::BFloat16* o, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), to_bf16(v)); }
+template <typename T>
+inline __m512 rounded16(__m512 v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return widen_bf16(to_bf16(v));
+  return v;
+}
+#define TWOSTEP_AVX512 1
+#endif
+
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
+#ifdef TWOSTEP_AVX512
+  if constexpr (vec8<T>)
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 s = rounded16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+#endif
 #ifdef TWOSTEP_AVX2
   if constexpr (vec8<T>)
     for (; i + 8 <= n; i += 8) {
