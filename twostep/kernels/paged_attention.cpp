@@ -123,6 +123,7 @@ struct Floats {
   static V splat(float x) { return _mm512_set1_ps(x); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }      // b where a is NaN
   static V sums(const V v[16]) {
     __m512 a[8], b[4];
     for (int i = 0; i < 8; ++i)           // per 128-bit lane: pair sums of v[2i], v[2i+1]
@@ -148,6 +149,7 @@ struct Floats {
   static V splat(float x) { return _mm256_set1_ps(x); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }      // b where a is NaN
   static V sums(const V v[8]) {
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
@@ -210,9 +212,33 @@ inline void tile_accumulate(float* o, const float* p, const float* const* rows, 
 // In place: s[0, n) = e^(s - m) with m the largest of s[0, n), s[n, len) = 0. Returns m and the sum
 // of the exponentials (n = 0, a row that sees none of these positions: -inf and 0).
 struct Exponentials { float max, sum; };
-inline Exponentials exponentiate(float* s, int64_t n, int64_t len) {
+
+// The largest of s[0, n), NaNs passed over (-inf where none is larger): as a chain of std::max(m,
+// s[j]), which the compiler leaves scalar (a NaN makes max order-dependent) and which was a tenth of
+// a long context's attention, in vectors: max(s, m) keeps m where s is NaN. (Where the largest is a
+// zero, which of +0 and -0 comes back may differ from the chain's: e^(s - m) is the same.) The same
+// outputs bit for bit; Qwen2.5-0.5B's heads (14 over 2 KV heads, bf16) 1.06x at 190 positions,
+// 1.11-1.12x at 1,000-3,000.
+inline float largest(const float* s, int64_t n) {
   float m = NEG_INF;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  int64_t j = 0;
+#ifdef TWOSTEP_VECTORS
+  using F = Floats;
+  if (n >= 4 * F::W) {
+    typename F::V acc[4] = {F::splat(NEG_INF), F::splat(NEG_INF), F::splat(NEG_INF), F::splat(NEG_INF)};
+    for (; j + 4 * F::W <= n; j += 4 * F::W)
+      for (int a = 0; a < 4; ++a) acc[a] = F::max(F::load(s + j + a * F::W), acc[a]);
+    float lanes[F::W];
+    F::store(lanes, F::max(F::max(acc[0], acc[1]), F::max(acc[2], acc[3])));
+    for (float x : lanes) m = std::max(m, x);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+inline Exponentials exponentiate(float* s, int64_t n, int64_t len) {
+  const float m = largest(s, n);
   for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - m);
   float sum = 0.0f;
   for (int64_t j = 0; j < n; ++j) sum += s[j];
