@@ -331,14 +331,22 @@ def run_phases(args) -> dict:
                         if not e.startswith("twostep") and v and med[o.name]}})
     print_table(rows, [e.name for e in engines], [o.name for o in ours])
     stream = {e: statistics.median(x) for e, x in shares.items() if x}
+    # the same tokens/s ratio with each engine's memory as fast as the other's: this machine's memory
+    # speed moves by 1.5x within seconds, so one engine's runs can fall in a fast spell and the other's in
+    # a slow one (a raw ratio of 1.00x beside shares of 72% and 45% of the read)
+    normalised = {f"{o.name}/{e}": stream[o.name] / v for o in ours for e, v in stream.items()
+                  if not e.startswith("twostep") and o.name in stream}
     if stream:
         print(f"\ndecode b1, the weight stream ({step_bytes / 1e6:.0f} MB a token) against a plain read measured "
               "just before and after each run, medians: " + ", ".join(f"{e} {v:.0%}" for e, v in stream.items()))
+        if normalised:
+            print("decode b1 at the same read rate (the ratio of those shares): "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in normalised.items()))
     return {"mode": "phases", "model": path, "gguf": gguf, "dtype": args.dtype,
             "threads": args.threads, "reps": args.reps, "peers": peers,
             "phases": [vars(p) for p in phases], "rows": rows, "samples": samples,
-            **({"b1_stream_of_read": stream, "b1_stream_shares": shares, "step_MB": step_bytes / 1e6}
-               if stream else {})}
+            **({"b1_stream_of_read": stream, "b1_stream_shares": shares, "step_MB": step_bytes / 1e6,
+                "b1_at_same_read_rate": normalised} if stream else {})}
 
 
 class ReadRate:
@@ -459,7 +467,8 @@ def main() -> None:
                         "bf16 values widened to float32 at load, as before 2026-12-05)")
     g.add_argument("--read-rate", action="store_true",
                    help="measure a plain read before and after each batch-1 decode run and report each "
-                        "engine's weight stream as a share of it")
+                        "engine's weight stream as a share of it, and the ratio of the shares: the batch-1 "
+                        "ratio the engines would have at the same read rate")
     g = ap.add_argument_group("throughput")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")

@@ -138,12 +138,20 @@ def test_read_rate_reports_the_batch1_weight_stream_as_a_share_of_the_read(tiny_
             self.calls += 1
             return 8.0 if self.calls % 2 else 12.0
 
+    class FixedPeer:                      # a peer at 50 tokens/s in every phase
+        name = "llama.cpp"
+
+        def measure(self, phase, seed: int) -> float:
+            return 50.0
+
     monkeypatch.setattr(compare, "ReadRate", FixedRead)
+    monkeypatch.setattr(compare, "llama_cpp_peer", lambda *a: (FixedPeer(), "a stand-in"))
     monkeypatch.setattr(compare, "VOCAB", 300)          # prompt ids within the tiny vocabulary
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["compare.py", "--mode", "phases", "--model", str(tiny_model_dir("llama")),
-                                      "--peers", "--reps", "2", "--prompt-len", "8", "--decode-prompt-len", "8",
-                                      "--gen", "4", "--batches", "1", "2", "--read-rate", "--json", str(out)])
+                                      "--peers", "llama.cpp", "--reps", "2", "--prompt-len", "8",
+                                      "--decode-prompt-len", "8", "--gen", "4", "--batches", "1", "2", "--read-rate",
+                                      "--json", str(out)])
     compare.main()
     result = json.loads(out.read_text())
     assert len(result["b1_stream_shares"]["twostep"]) == 2          # batch 1 only, each rep
@@ -151,3 +159,7 @@ def test_read_rate_reports_the_batch1_weight_stream_as_a_share_of_the_read(tiny_
     want = sorted(t * result["step_MB"] / 1e3 / 10.0 for t in tok_s)
     assert sorted(result["b1_stream_shares"]["twostep"]) == pytest.approx(want)
     assert result["b1_stream_of_read"]["twostep"] > 0
+    # the peer's share from its own tokens/s, and the ratio the two would have at the same read rate
+    assert result["b1_stream_of_read"]["llama.cpp"] == pytest.approx(50.0 * result["step_MB"] / 1e3 / 10.0)
+    assert result["b1_at_same_read_rate"]["twostep/llama.cpp"] == pytest.approx(
+        result["b1_stream_of_read"]["twostep"] / result["b1_stream_of_read"]["llama.cpp"])
