@@ -335,7 +335,7 @@ def run_phases(args) -> dict:
     # speed moves by 1.5x within seconds, so one engine's runs can fall in a fast spell and the other's in
     # a slow one (a raw ratio of 1.00x beside shares of 72% and 45% of the read)
     normalised = {f"{o.name}/{e}": stream[o.name] / v for o in ours for e, v in stream.items()
-                  if not e.startswith("twostep") and o.name in stream}
+                  if not e.startswith("twostep") and o.name in stream and v}
     if stream:
         print(f"\ndecode b1, the weight stream ({step_bytes / 1e6:.0f} MB a token) against a plain read measured "
               "just before and after each run, medians: " + ", ".join(f"{e} {v:.0%}" for e, v in stream.items()))
