@@ -339,7 +339,10 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
         const Q* query = q + (q_index[b * max_q + i] * heads + h * group + r % group) * dim;
         if constexpr (kFloat) {
           queries[r] = query;
-          if (whole) outs[r] = target_of(b, h, r);
+          if (whole) {                                     // summed into where it goes
+            outs[r] = target_of(b, h, r);
+            std::fill(outs[r], outs[r] + dim, 0.0f);
+          }
         } else {
           to_float(query, q_rows.data() + r * dim, dim);
           queries[r] = q_rows.data() + r * dim;
@@ -454,7 +457,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   const int64_t batch = q_index.size(0), max_q = q_index.size(1), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = cache.size(2), kv_heads = cache.size(3);
   check_plan(q, q_index, q_lens, cache, tables, seq_lens);
-  auto out = torch::zeros({batch, max_q, heads, dim}, q.options());
+  // rows past a sequence's q_len are zeros; where there are none, every row is written
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const bool padded = std::any_of(ql, ql + batch, [&](int64_t n) { return n != max_q; });
+  auto out = padded ? torch::zeros({batch, max_q, heads, dim}, q.options())
+                    : torch::empty({batch, max_q, heads, dim}, q.options());
   const int64_t half = cache.size(1) * block_size * kv_heads * dim;
   auto run = [&](auto* base, auto* queries) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
