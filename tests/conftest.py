@@ -65,6 +65,12 @@ CORPUS = [
 ] * 20
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
 def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import engine_for, run_all
+from conftest import cpu_flags, engine_for, run_all
 from twostep.attention.backend import HybridBackend
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata
@@ -23,6 +23,25 @@ def kernel_or_skip():
     if kernel is None:
         pytest.skip("the C++ kernel cannot be built here (no g++ or ninja); the reference backend is used")
     return kernel
+
+
+def test_bf16_scores_take_the_dot_products_where_the_cpu_has_them():
+    """With AVX512-BF16 a bf16 cache's scores for bf16 queries come from vdpbf16ps (the build says so
+    where the CPU has it), and the outputs stay within a bf16 rounding of the float32 path's on the
+    same values (each product is exact in float32; only the order of the float32 sums differs)."""
+    kernel = kernel_or_skip()
+    if {"avx512f", "avx512_bf16"} <= cpu_flags():
+        assert kernel.has_bf16_dot()
+    g = torch.Generator().manual_seed(7)
+    for dim, group, length in ((64, 7, 1000), (128, 4, 300), (64, 3, 17)):
+        cache = torch.randn(2, 70, 16, 2, dim, generator=g).bfloat16()
+        q = torch.randn(1, 2 * group, dim, generator=g).bfloat16()
+        tables = torch.randperm(69, generator=g)[:-(-length // 16)].add(1).view(1, -1)
+        args = (torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+        got = kernel.paged_decode_attention(q, *args, cache, tables, torch.tensor([length]), dim ** -0.5)
+        exact = kernel.paged_decode_attention(q.float(), *args, cache.float(), tables, torch.tensor([length]),
+                                              dim ** -0.5)
+        torch.testing.assert_close(got.float(), exact.bfloat16().float(), rtol=2 ** -7, atol=2 ** -12)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_flags
 from gguf import GGMLQuantizationType as QType
 
 from twostep import kernels
@@ -108,11 +109,6 @@ def other_dot_kernel(native):
         pytest.skip("the other-width build of the kernel could not be built here")
     assert other.wide_dot() != native.wide_dot()
     return other
-
-
-def cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
 INT8_BUILDS = ["simd", "avx2", "avx-vnni", "other-dot"]
@@ -614,11 +610,6 @@ def bf16_gemm_kernel():
     if not kernel.has_bf16_gemm():
         pytest.skip("gemm_bf16 needs AVX512-BF16 (or AMX) and torch's oneDNN brgemm")
     return kernel
-
-
-def cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
 
 
 # 64 weight rows a thread dequantizes at a time, two panels a store: tails of 8 (one panel), 40 (two

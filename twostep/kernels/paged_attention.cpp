@@ -5,7 +5,8 @@
 // limit). Scores, softmax and the weighted sum of V are computed in float32.
 //
 // Keys and values are taken 16 positions at a time: a float32 cache's vectors where they lie, a
-// 16-bit cache's converted into a float tile. Per query row, the 16 scores of a tile come from 16
+// 16-bit cache's converted into a float tile (a bf16 cache's keys for bf16 queries, with AVX512-BF16,
+// read as they lie by bf16 dot products: tile_scores_bf16). Per query row, the 16 scores of a tile come from 16
 // vectorised dot products whose horizontal sums are folded together in one shuffle tree (instead
 // of 16 separate reductions), the softmax runs over whole vectors, and the values are accumulated
 // into the row's output held in registers. With AVX-512 and a head size that is a multiple of 16
@@ -62,13 +63,14 @@ struct Cursor {
 // lies, a 16-bit one converted into `tile` (a copy a position was 14% of a float32 SmolLM2 decode
 // at ~400 positions, libc's memmove called per vector). Each position's vector is prefetched a tile
 // ahead (the heads of a position are interleaved, so a head's vectors are strided).
-template <typename T, typename Fn>
+// kRaw: rows[t] points at the cached vector itself, in the cache's dtype (no tile, no conversion).
+template <bool kRaw = false, typename T, typename Fn>
 inline void for_each_tile(const T* cache, const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                           int64_t token_stride, int64_t h, int64_t dim, float* tile, Fn fn) {
   const auto at = [&](const Cursor& c) { return cache + (table[c.block] * block_size + c.offset) * token_stride + h * dim; };
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
   Cursor now{begin / block_size, begin % block_size}, ahead = now;
-  const float* rows[TILE];
+  std::conditional_t<kRaw, const T*, const float*> rows[TILE];
   for (int64_t p = 0; p < std::min(TILE, end - begin); ++p) ahead.advance(block_size);
   for (int64_t j = 0; begin + j < end; j += TILE) {
     const int64_t n = std::min(TILE, end - begin - j);
@@ -78,7 +80,7 @@ inline void for_each_tile(const T* cache, const int64_t* table, int64_t begin, i
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
         ahead.advance(block_size);
       }
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (kRaw || std::is_same_v<T, float>) {
         rows[t] = at(now);
       } else {
         to_float(at(now), tile + t * dim, dim);
@@ -188,6 +190,28 @@ inline void tile_scores(const float* q, const float* const* rows, int64_t dim, f
     scores[t] = s * scale;
   }
 }
+
+// Where the build has AVX512-BF16 (Zen 4 and later, Sapphire Rapids and later), a bf16 cache's scores
+// for bf16 queries come from the keys as they lie, two products an instruction (vdpbf16ps): each
+// product of two bf16 values is exact in float32 and summed in float32, in pairs of dimensions
+// instead of one dimension a lane, so the sums are rounded in another order (and, as the instruction
+// does, a subnormal input counts as zero). The keys are not converted into a float tile.
+#if defined(TWOSTEP_AVX512) && defined(__AVX512BF16__)
+#define TWOSTEP_DOT_BF16 1
+template <int64_t DIM>
+inline void tile_scores_bf16(const at::BFloat16* q, const at::BFloat16* const* keys, float scale, float* scores) {
+  static_assert(DIM % 32 == 0);
+  __m512bh qc[DIM / 32];
+  for (int64_t c = 0; c < DIM / 32; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  __m512 acc[TILE];
+  for (int64_t t = 0; t < TILE; ++t) {
+    acc[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qc[0], (__m512bh)_mm512_loadu_si512(keys[t]));
+    for (int64_t c = 1; c < DIM / 32; ++c)
+      acc[t] = _mm512_dpbf16_ps(acc[t], qc[c], (__m512bh)_mm512_loadu_si512(keys[t] + 32 * c));
+  }
+  Floats::store(scores, Floats::mul(Floats::sums(acc), Floats::splat(scale)));
+}
+#endif
 
 // o += sum over t < n of p[t] * rows[t]
 template <int64_t DIM>
@@ -304,6 +328,10 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
                       const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                       int64_t run_dim, int64_t block_size, float scale, Q* out) {
   constexpr bool kFloat = std::is_same_v<Q, float>;
+#ifdef TWOSTEP_DOT_BF16
+  constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> && DIM > 0 &&
+                            DIM % 32 == 0;
+#endif
   const int64_t dim = DIM > 0 ? DIM : run_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
@@ -318,6 +346,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
     std::vector<float> scores, tile(std::is_same_v<T, float> ? 0 : TILE * dim);   // (16-bit caches' vectors)
     std::vector<float> q_rows, out_rows;                   // a 16-bit task's rows in float32
     std::vector<const float*> queries;
+    std::vector<const Q*> raw_queries;                     // (as they lie, for the bf16 dot products)
     std::vector<float*> outs;
     std::vector<int64_t> seen;                             // the part's positions each row may see
     for (int64_t task = begin; task < end; ++task) {
@@ -328,6 +357,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
       const bool whole = part.partial == nullptr;
       scores.resize(rows * stride);                        // every entry is written below
       queries.resize(rows);
+      raw_queries.resize(rows);
       outs.resize(rows);
       seen.resize(rows);
       if constexpr (!kFloat) {
@@ -337,6 +367,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / group;
         const Q* query = q + (q_index[b * max_q + i] * heads + h * group + r % group) * dim;
+        raw_queries[r] = query;
         if constexpr (kFloat) {
           queries[r] = query;
           if (whole) {                                     // summed into where it goes
@@ -356,6 +387,14 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
         seen[r] = std::clamp<int64_t>(len - nq + i + 1 - part.begin, 0, span);
       }
       const int64_t* table = tables + b * table_stride;
+#ifdef TWOSTEP_DOT_BF16
+      if constexpr (kDotBf16) {
+        for_each_tile<true>(k_cache, table, part.begin, part.end, block_size, token_stride, h, dim, nullptr,
+                            [&](int64_t j, int64_t, const at::BFloat16* const* keys) {
+          for (int64_t r = 0; r < rows; ++r) tile_scores_bf16<DIM>(raw_queries[r], keys, scale, &scores[r * stride + j]);
+        });
+      } else
+#endif
       for_each_tile(k_cache, table, part.begin, part.end, block_size, token_stride, h, dim, tile.data(),
                     [&](int64_t j, int64_t, const float* const* keys) {
         for (int64_t r = 0; r < rows; ++r) tile_scores<DIM>(queries[r], keys, dim, scale, &scores[r * stride + j]);
@@ -498,6 +537,16 @@ TORCH_LIBRARY_FRAGMENT(twostep, m) {
 
 TORCH_LIBRARY_IMPL(twostep, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
 
+// Whether a bf16 cache's scores for bf16 queries take the AVX512-BF16 dot products here.
+bool has_bf16_dot() {
+#ifdef TWOSTEP_DOT_BF16
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("has_bf16_dot", &has_bf16_dot, "whether bf16 scores take the AVX512-BF16 dot products here");
 }
