@@ -4,13 +4,14 @@
 // share that KV head, for each of the sequence's new tokens (1, or 1 + k drafts under a causal
 // limit). Scores, softmax and the weighted sum of V are computed in float32.
 //
-// Keys and values are taken 16 positions at a time: a float32 cache's vectors where they lie, a
-// 16-bit cache's converted into a float tile (a bf16 cache's keys for bf16 queries, with AVX512-BF16,
-// read as they lie by bf16 dot products: tile_scores_bf16). Per query row, the 16 scores of a tile come from 16
-// vectorised dot products whose horizontal sums are folded together in one shuffle tree (instead
-// of 16 separate reductions), the softmax runs over whole vectors, and the values are accumulated
-// into the row's output held in registers. With AVX-512 and a head size that is a multiple of 16
-// (AVX2: of 8) this is intrinsics; otherwise the same steps as plain loops.
+// Keys and values are taken 16 positions at a time, each asked for 48 positions ahead: a float32
+// cache's vectors where they lie, a 16-bit cache's converted into a float tile (a bf16 cache's keys
+// for bf16 queries, with AVX512-BF16, read as they lie by bf16 dot products: tile_scores_bf16). Per
+// query row, the 16 scores of a tile come from 16 vectorised dot products whose horizontal sums are
+// folded together in one shuffle tree (instead of 16 separate reductions), the softmax runs over
+// whole vectors, and the values are accumulated into the outputs of up to 4 rows at once, held in
+// registers (tile_accumulate). With AVX-512 and a head size that is a multiple of 16 (AVX2: of 8)
+// this is intrinsics; otherwise the same steps as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -220,24 +221,56 @@ inline void tile_scores_bf16(const at::BFloat16* q, const at::BFloat16* const* k
 }
 #endif
 
-// o += sum over t < n of p[t] * rows[t]
-template <int64_t DIM>
-inline void tile_accumulate(float* o, const float* p, const float* const* rows, int64_t n, int64_t dim) {
+// o[i] += sum over t < n of p[i * stride + t] * rows[t] for the R rows i < R of a KV head's group,
+// R at once where R rows' sums fit in registers (16 vectors with AVX-512, 8 with AVX2): each value
+// vector is loaded once for them, and the sums are R * DIM / W independent chains (one row's
+// DIM / W chains of 16 dependent multiply-adds ran at half the multiply-add rate). Each row's sums
+// are taken in the same order as alone, so the outputs are the same bit for bit.
 #ifdef TWOSTEP_VECTORS
-  if constexpr (DIM > 0 && DIM % Floats::W == 0 && DIM / Floats::W <= Floats::kRowRegisters) {
-    using F = Floats;
-    typename F::V ov[DIM / F::W];
-    for (int64_t c = 0; c < DIM / F::W; ++c) ov[c] = F::load(o + F::W * c);
-    for (int64_t t = 0; t < n; ++t) {
-      const typename F::V pt = F::splat(p[t]);
-      for (int64_t c = 0; c < DIM / F::W; ++c) ov[c] = F::fmadd(pt, F::load(rows[t] + F::W * c), ov[c]);
+constexpr int64_t kSums = Floats::kRowRegisters;   // sum vectors held at once
+
+template <int64_t DIM, int64_t R>
+inline void accumulate_group(float* const* o, const float* p, int64_t stride, const float* const* rows, int64_t n) {
+  using F = Floats;
+  constexpr int64_t C = DIM / F::W;
+  typename F::V ov[R][C];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c) ov[i][c] = F::load(o[i] + F::W * c);
+  for (int64_t t = 0; t < n; ++t) {
+    typename F::V v[C];
+    for (int64_t c = 0; c < C; ++c) v[c] = F::load(rows[t] + F::W * c);
+    for (int64_t i = 0; i < R; ++i) {
+      const typename F::V pt = F::splat(p[i * stride + t]);
+      for (int64_t c = 0; c < C; ++c) ov[i][c] = F::fmadd(pt, v[c], ov[i][c]);
     }
-    for (int64_t c = 0; c < DIM / F::W; ++c) F::store(o + F::W * c, ov[c]);
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c) F::store(o[i] + F::W * c, ov[i][c]);
+}
+
+// rows in groups of R, the rest in groups of fewer
+template <int64_t DIM, int64_t R>
+inline void accumulate_groups(float* const* o, const float* p, int64_t stride, int64_t count,
+                              const float* const* rows, int64_t n) {
+  int64_t r = 0;
+  for (; r + R <= count; r += R) accumulate_group<DIM, R>(o + r, p + r * stride, stride, rows, n);
+  if constexpr (R > 1)
+    if (r < count) accumulate_groups<DIM, R - 1>(o + r, p + r * stride, stride, count - r, rows, n);
+}
+#endif
+
+template <int64_t DIM>
+inline void tile_accumulate(float* const* o, const float* p, int64_t stride, int64_t count, const float* const* rows,
+                            int64_t n, int64_t dim) {
+#ifdef TWOSTEP_VECTORS
+  if constexpr (DIM > 0 && DIM % Floats::W == 0 && DIM / Floats::W <= kSums) {
+    accumulate_groups<DIM, std::min<int64_t>(4, kSums / (DIM / Floats::W))>(o, p, stride, count, rows, n);
     return;
   }
 #endif
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < dim; ++d) o[d] += p[t] * rows[t][d];
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < dim; ++d) o[i][d] += p[i * stride + t] * rows[t][d];
 }
 
 // In place: s[0, n) = e^(s - m) with m the largest of s[0, n), s[n, len) = 0. Returns m and the sum
@@ -417,7 +450,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
       }
       for_each_tile(v_cache, table, part.begin, part.end, block_size, token_stride, h, dim, tile.data(),
                     [&](int64_t j, int64_t n, const float* const* values) {
-        for (int64_t r = 0; r < rows; ++r) tile_accumulate<DIM>(outs[r], &scores[r * stride + j], values, n, dim);
+        tile_accumulate<DIM>(outs.data(), &scores[j], stride, rows, values, n, dim);
       });
       if constexpr (!kFloat) {
         if (whole)
