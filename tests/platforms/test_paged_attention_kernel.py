@@ -2,6 +2,8 @@
 with each backend against transformers."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,18 @@ def test_bf16_scores_take_the_dot_products_where_the_cpu_has_them():
     kernel = kernel_or_skip()
     if {"avx512f", "avx512_bf16"} <= cpu_flags():
         assert kernel.has_bf16_dot()
+    # the instruction counts a subnormal input as zero: a query of 2^-130 against a key of 2^120 scores
+    # 2^-10 (x 2^10 = 1) in float32 and 0 by the dot products, which tells which path ran
+    for dim in (64, 48):                # 48: not a multiple of 32, the float32 path either way
+        cache = torch.zeros(2, 2, 16, 1, dim)
+        cache[0, 1, 0, 0, 0], cache[1, 1, 0, 0, :] = 2.0 ** 120, 1.0       # position 0's key and value
+        q = torch.zeros(1, 2, dim)
+        q[0, :, 0] = 2.0 ** -130
+        plan = (torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), cache.bfloat16(),
+                torch.tensor([[1]]), torch.tensor([16]), 2.0 ** 10)
+        weight = kernel.paged_decode_attention(q.bfloat16(), *plan)[0, 0, 0, 0].item()
+        dot = kernel.has_bf16_dot() and dim % 32 == 0
+        assert weight == pytest.approx(1 / 16 if dot else math.e / (math.e + 15), rel=2 ** -7)
     g = torch.Generator().manual_seed(7)
     for dim, group, length in ((64, 7, 1000), (128, 4, 300), (64, 3, 17)):
         cache = torch.randn(2, 70, 16, 2, dim, generator=g).bfloat16()
@@ -92,7 +106,8 @@ def test_kernel_matches_the_reference_decode(dtype, tol, block_size, group, dim)
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_16bit_queries_give_the_float32_result_rounded(head_dim, q_dtype):
     """The kernel reads bf16 / fp16 queries into float32 and writes its output in their dtype:
-    exactly a conversion before and after (the decode stack saves those two copies a layer)."""
+    exactly a conversion before and after (the decode stack saves those two copies a layer); bf16
+    queries whose scores take the AVX512-BF16 dot products (head size 64 here) within a bf16 step."""
     kernel = kernel_or_skip()
     g = torch.Generator().manual_seed(head_dim)
     cache = torch.randn(2, 6, 16, 2, head_dim, generator=g).to(torch.bfloat16)
@@ -103,7 +118,10 @@ def test_16bit_queries_give_the_float32_result_rounded(head_dim, q_dtype):
     got = kernel.paged_decode_attention(q, *plan, 0.125)
     expected = kernel.paged_decode_attention(q.float(), *plan, 0.125)
     assert got.dtype == q_dtype and expected.dtype == torch.float32
-    assert torch.equal(got, expected.to(q_dtype))
+    if q_dtype == torch.bfloat16 and head_dim % 32 == 0 and kernel.has_bf16_dot():
+        torch.testing.assert_close(got.float(), expected.to(q_dtype).float(), rtol=2 ** -7, atol=2 ** -12)
+    else:
+        assert torch.equal(got, expected.to(q_dtype))
     assert got[1, 1].eq(0).all()                  # the padded row past q_len stays zero
 
 

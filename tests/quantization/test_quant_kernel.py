@@ -3,7 +3,6 @@ the gguf package's own dequantizer, then float32 math: every GGUF type twostep k
 the formats --quantization makes, on edge shapes, through the SIMD build and the plain C++ one."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import gguf
 import numpy as np

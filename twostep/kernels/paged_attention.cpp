@@ -9,9 +9,9 @@
 // for bf16 queries, with AVX512-BF16, read as they lie by bf16 dot products: tile_scores_bf16). Per
 // query row, the 16 scores of a tile come from 16 vectorised dot products whose horizontal sums are
 // folded together in one shuffle tree (instead of 16 separate reductions), the softmax runs over
-// whole vectors, and the values are accumulated into the outputs of up to 4 rows at once, held in
-// registers (tile_accumulate). With AVX-512 and a head size that is a multiple of 16 (AVX2: of 8)
-// this is intrinsics; otherwise the same steps as plain loops.
+// whole vectors, and the values are accumulated into the outputs of as many rows at once as fit in
+// registers (up to 4: tile_accumulate). With AVX-512 and a head size that is a multiple of 16 (AVX2:
+// of 8, up to 64) this is intrinsics; otherwise the same steps as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -361,7 +361,8 @@ inline std::vector<Part> plan_parts(const int64_t* seq_lens, const int64_t* q_le
 
 // DIM > 0: the head size known at compile time (the loops over it unroll and vectorise fully);
 // DIM == 0: any head size, given at run time. Q: the queries' and the output's dtype (float32, or
-// bf16 / fp16 read into float32 rows and written back rounded, as a conversion before and after would).
+// bf16 / fp16 read into float32 rows and written back rounded, as a conversion before and after would;
+// except bf16 queries on a bf16 cache under TWOSTEP_DOT_BF16, whose scores are bf16 dot products).
 template <typename T, int64_t DIM, typename Q>
 void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens, int64_t max_q,
                       const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_stride,
@@ -415,6 +416,9 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
             std::fill(outs[r], outs[r] + dim, 0.0f);
           }
         } else {
+#ifdef TWOSTEP_DOT_BF16
+          if constexpr (!kDotBf16)                         // (the dot products read the bf16 row)
+#endif
           to_float(query, q_rows.data() + r * dim, dim);
           queries[r] = q_rows.data() + r * dim;
           if (whole) outs[r] = out_rows.data() + r * dim;
