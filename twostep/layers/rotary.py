@@ -73,12 +73,19 @@ class RotaryEmbedding(CustomOp):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
         self.sin = emb.sin()
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and sin for these positions, [T, 1, D]: computed once per step, used by every layer."""
-        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
-                          self.sin[positions].unsqueeze(1).to(dtype), self.impls["rotary"],
-                          self.impls["rotary_"])
+        cos, sin = self.tables(dtype)
+        return RopeTables(cos[positions], sin[positions], self.impls["rotary"], self.impls["rotary_"])
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position in dtype, [max_positions, 1, D], made on first use: a step's
+        lookup is then one index op each (the same values as rounding the looked-up float32 rows)."""
+        if dtype not in self._tables:
+            self._tables[dtype] = (self.cos.to(dtype).unsqueeze(1), self.sin.to(dtype).unsqueeze(1))
+        return self._tables[dtype]
 
 
 @dataclass(frozen=True, slots=True)
