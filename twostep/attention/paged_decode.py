@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from twostep.attention.kv_layer_cache import KVLayerCache
-from twostep.attention.metadata import AttentionMetadata, DecodeRows, blocks_for
+from twostep.attention.metadata import AttentionMetadata, DecodeRows, blocks_for, int64_tensor
 
 
 @dataclass(slots=True)
@@ -25,6 +25,9 @@ class PagedDecodePlan:
 class PagedDecode:
     def __init__(self, kernel: Callable) -> None:
         self.kernel = kernel
+        # a batch of B decodes that is every row, one query each: its query rows (arange) and query
+        # lengths (ones), the same every such step, made once for each B (the kernel only reads them)
+        self._one_query_each: dict[tuple[int, torch.device], tuple[DecodeRows, torch.Tensor]] = {}
 
     def build(self, common: AttentionMetadata, rows: list[int]) -> PagedDecodePlan:
         device = common.block_tables.device
@@ -32,11 +35,22 @@ class PagedDecode:
         width = blocks_for(max(lens), common.block_size)
         if len(rows) == len(common.seq_lens):    # every row, in order: the tables as they are
             tables = common.block_tables[:, :width].contiguous()
+            if max(common.query_lens) == 1:
+                decode_rows, query_lens = self._whole_batch(len(rows), device)
+                return PagedDecodePlan(decode_rows, tables, query_lens, int64_tensor(lens, device))
         else:
             tables = common.block_tables[rows, :width]
         return PagedDecodePlan(DecodeRows.build(common, rows), tables,
-                               torch.tensor([common.query_lens[r] for r in rows], device=device),
-                               torch.tensor(lens, device=device))
+                               int64_tensor([common.query_lens[r] for r in rows], device),
+                               int64_tensor(lens, device))
+
+    def _whole_batch(self, batch: int, device: torch.device) -> tuple[DecodeRows, torch.Tensor]:
+        key = (batch, device)
+        if key not in self._one_query_each:
+            index = torch.arange(batch, device=device).view(batch, 1)
+            self._one_query_each[key] = (DecodeRows(index, None, True),
+                                         torch.ones(batch, dtype=torch.int64, device=device))
+        return self._one_query_each[key]
 
     def forward(self, q: torch.Tensor, kv_cache: KVLayerCache, plan: PagedDecodePlan, scale: float,
                 out: torch.Tensor) -> None:

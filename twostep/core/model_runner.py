@@ -17,7 +17,7 @@ import torch
 
 from twostep.attention.backend import AttentionBackend
 from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
-from twostep.attention.metadata import AttentionMetadata
+from twostep.attention.metadata import AttentionMetadata, int64_tensor
 from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.kv_transfer.blocks import scatter_blocks
@@ -131,7 +131,7 @@ class ModelRunner:
         fresh = [b for b in block_ids if not zeroed[b]]
         if not fresh:
             return
-        index = torch.tensor(fresh, device=self.device)
+        index = int64_tensor(fresh, self.device)
         for tensor, dim in self._block_fills:
             tensor.index_fill_(dim, index, 0)
         for b in fresh:
@@ -160,18 +160,17 @@ class ModelRunner:
             slens.append(end)
             tables.append(block_ids)
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [NULL_BLOCK_ID] * (width - len(t)) for t in tables],
-                             dtype=torch.int64, device=self.device)
+        table = int64_tensor([b for t in tables for b in t + [NULL_BLOCK_ID] * (width - len(t))],
+                             self.device).view(len(tables), width)
         meta = AttentionMetadata(
             query_start_loc=starts, query_lens=qlens, seq_lens=slens,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=int64_tensor(slots, self.device),
             block_tables=table, block_size=bs,
             # Decodes, and decodes verifying drafts, share one batched attention call per layer.
             is_decode=[s.num_tokens == 1 or bool(s.spec_token_ids) for s in items],
         )
-        to_dev = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return StepInputs(to_dev(ids), to_dev(pos), meta, sorted({sl // bs for sl in slots}),
-                          all(s.is_decode for s in items))
+        return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), meta,
+                          sorted({sl // bs for sl in slots}), all(s.is_decode for s in items))
 
     def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])
