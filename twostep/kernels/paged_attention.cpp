@@ -206,6 +206,7 @@ inline void tile_scores(const float* q, const float* const* rows, int64_t dim, f
 // does, a subnormal input counts as zero). The keys are not converted into a float tile.
 #if defined(TWOSTEP_AVX512) && defined(__AVX512BF16__)
 #define TWOSTEP_DOT_BF16 1
+constexpr bool kBuildHasDotBf16 = true;
 template <int64_t DIM>
 inline void tile_scores_bf16(const at::BFloat16* q, const at::BFloat16* const* keys, float scale, float* scores) {
   static_assert(DIM % 32 == 0);
@@ -219,6 +220,8 @@ inline void tile_scores_bf16(const at::BFloat16* q, const at::BFloat16* const* k
   }
   Floats::store(scores, Floats::mul(Floats::sums(acc), Floats::splat(scale)));
 }
+#else
+constexpr bool kBuildHasDotBf16 = false;
 #endif
 
 // o[i] += sum over t < n of p[i * stride + t] * rows[t] for the R rows i < R of a KV head's group,
@@ -369,10 +372,8 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
                       const int64_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                       int64_t run_dim, int64_t block_size, float scale, Q* out) {
   constexpr bool kFloat = std::is_same_v<Q, float>;
-#ifdef TWOSTEP_DOT_BF16
-  constexpr bool kDotBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> && DIM > 0 &&
-                            DIM % 32 == 0;
-#endif
+  constexpr bool kDotBf16 = kBuildHasDotBf16 && std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> &&
+                            DIM > 0 && DIM % 32 == 0;
   const int64_t dim = DIM > 0 ? DIM : run_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;             // between tokens in a block
@@ -416,10 +417,7 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
             std::fill(outs[r], outs[r] + dim, 0.0f);
           }
         } else {
-#ifdef TWOSTEP_DOT_BF16
-          if constexpr (!kDotBf16)                         // (the dot products read the bf16 row)
-#endif
-          to_float(query, q_rows.data() + r * dim, dim);
+          if constexpr (!kDotBf16) to_float(query, q_rows.data() + r * dim, dim);   // (else read as bf16)
           queries[r] = q_rows.data() + r * dim;
           if (whole) outs[r] = out_rows.data() + r * dim;
         }
