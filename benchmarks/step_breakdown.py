@@ -1,5 +1,6 @@
 """Where a decode step's time goes: weights, attention, other model ops, logits and sampling, and
-the engine loop (scheduling, step inputs, request updates, output assembly and detokenisation).
+the step's inputs, and the engine loop (scheduling, request updates, output assembly and
+detokenisation).
 
     .venv/bin/python benchmarks/step_breakdown.py                    # default model, batch 1
     .venv/bin/python benchmarks/step_breakdown.py --model FILE.gguf --batch 8 --tokens 128
@@ -11,8 +12,9 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
   attention  the attention backend's forward (K/V write and decode attention)
   other ops  the rest of the model forward: embedding, norms, rotary, activation, residual adds
   logits     lm_head on the rows that sample, then the sampler
-  engine     everything in LLMEngine.step outside ModelRunner.execute, plus the step's inputs
-             and attention metadata
+  inputs     the step's input tensors (ModelRunner._prepare) and the attention metadata
+  engine     the engine loop: everything in LLMEngine.step outside ModelRunner.execute
+             (scheduling, request updates, output assembly and detokenisation)
 When the decode stack runs the layers in one C++ call (models/fused_decode.py; "stack" below), no
 Python clock sees inside it: a profile of a few more steps (at the measured steps' mean context)
 gives the time of its matrix-vector ops
@@ -118,7 +120,8 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
         "other ops": med(lambda s: s["forward"] - s.get("weights", 0) + s.get("lm_head", 0)
                          - s.get("attention", 0)),
         "logits": med(lambda s: s.get("lm_head", 0) + s.get("sampling", 0)),
-        "engine": med(lambda s: s["step"] - s["execute"] + s.get("inputs", 0)),
+        "inputs": med(lambda s: s.get("inputs", 0)),
+        "engine": med(lambda s: s["step"] - s["execute"]),
     }
     parts["stack"] = med(lambda s: s.get("stack", 0))
     parts["step"] = med(lambda s: s["step"])
@@ -261,7 +264,7 @@ def main() -> None:
     print(f"{header['model']}, {header['dtype']}, batch {args.batch}, {header['threads']} threads, "
           f"{args.tokens} tokens x {args.reps} reps, {weights_mb:.0f} MB of weights; ms per decode step (share)")
     print("  " + " " * 10 + "".join(f"{c:>18s}" for c in configs))
-    for name in ("weights", "attention", "other ops", "logits", "engine", "step"):
+    for name in ("weights", "attention", "other ops", "logits", "inputs", "engine", "step"):
         cells = "".join(f"{p[name]:9.2f} ({100 * p[name] / p['step']:4.1f}%)" for p in results.values())
         print(f"  {name:10s}{cells}")
     print("  tokens/s  " + "".join(f"{args.batch * 1e3 / p['step']:18.1f}" for p in results.values()))

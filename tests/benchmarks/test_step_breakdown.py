@@ -28,11 +28,11 @@ def test_breakdown_parts_add_up_and_both_op_sets_run(tiny_model_dir, monkeypatch
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["ops"] for r in rows] == ["stack", "layers", "torch ops"]
     for r in rows:
-        parts = sum(r[k] for k in ("weights", "attention", "other ops", "logits", "engine"))
+        parts = sum(r[k] for k in ("weights", "attention", "other ops", "logits", "inputs", "engine"))
         # medians of each part against the median step, over 12 steps of a tiny model: a part
         # counted twice or lost moves the sum far more than the timing noise (once 1.05x was flaky)
         assert 0 < parts <= r["step"] * 1.25 and parts >= 0.75 * r["step"]
-        assert r["weights"] > 0 and r["attention"] > 0 and r["tok_s"] > 0
+        assert r["weights"] > 0 and r["attention"] > 0 and r["inputs"] > 0 and r["engine"] > 0 and r["tok_s"] > 0
     assert calls["native"] > 0           # the "torch ops" runs went through the PyTorch ops
 
 
