@@ -3,6 +3,7 @@ the gguf package's own dequantizer, then float32 math: every GGUF type twostep k
 the formats --quantization makes, on edge shapes, through the SIMD build and the plain C++ one."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -549,6 +550,31 @@ def test_stacked_parts_of_different_formats():
     for rows in (x[:1], x):
         got = QuantizedLinearMethod(kernel).matmul(weight, rows)
         torch.testing.assert_close(got, expected[: rows.shape[0]], rtol=0, atol=GEMV_RTOL * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("int8", ["off", "all"])
+def test_the_decode_stacks_linear_computes_what_the_ops_compute(int8):
+    """The decode stack's FusedLinear calls a part's product through its planes checked at load
+    (planes_product, not the dispatcher): the same outputs bit for bit as the method's own calls,
+    part by part, plus the bias as `y + bias` rounds it; x of another width: a clear error."""
+    stack = kernels.decode_step()
+    if stack is None or not kernel_builds()["simd"].has_panels():
+        pytest.skip("the decode stack needs the kernels built with AVX2")
+    method = QuantizedLinearMethod(kernel_builds()["simd"], int8_activations=int8)
+    parts = [pack_gguf(random_blocks(q, n, 512, seed=n), q, n, 512)
+             for q, n in ((QType.Q4_0, 64), (QType.Q4_0, 16), (QType.Q6_K, 24))]
+    weight = method.prepare(QuantizedWeight.stack(parts))
+    bias = torch.randn(weight.n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for b in (None, bias):
+        fused, _ = method.fused(SimpleNamespace(out_features=weight.n, plain_bias=b, quantized=weight), stack,
+                                torch.bfloat16)
+        for rows in (1, 3):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            with decode_batch(True):
+                expected = method.matmul(weight, x)
+            assert torch.equal(fused(x), expected if b is None else expected + b)
+    with pytest.raises(RuntimeError, match=r"x \[M, 512\]"):
+        fused(torch.randn(1, 544).bfloat16())
 
 
 def test_kernel_paths_are_named():

@@ -7,8 +7,10 @@
 // batch-1 step on a 30-layer model.
 //
 // A linear is quantized parts (one quant_gemv each into its columns; with int8 activations, from
-// the part's int8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers), a bf16 weight through the
-// bf16 matrix-vector op, or a float weight through at::linear, each with an optional bias.
+// the part's int8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers; both
+// called through quant_linear's planes_product, the ops' own functions without the dispatcher), a
+// bf16 weight through the bf16 matrix-vector op, or a float weight through at::linear, each with an
+// optional bias (added in place, rounded as at::add rounds it).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -32,34 +34,43 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 }
 
 // The ops' C++ signatures exactly as their kernels were registered (the dispatcher checks them).
-using QuantGemv = void(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, int64_t,
-                       int64_t, int64_t, Tensor);
 using AddRmsNorm = Tensor(const Tensor&, Tensor, const Tensor&, double);
 using RotaryInPlace = void(Tensor, const Tensor&, const Tensor&);
 using WriteKV = void(Tensor, const Tensor&, const Tensor&, const Tensor&);
 using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double);
+
+// quant_linear.cpp's planes_product: a part's product from its checked planes, not through the
+// dispatcher (read there why)
+using PlanesProduct = void (*)(const void* planes, bool int8, const Tensor& x, Tensor& out);
 
 struct QuantPart {
   Tensor qs, scales;
   OptTensor qh, mins;
   int64_t bits, group, zero;
   int64_t int8_rows;   // from this many rows the int8 product (the widths it takes); 0: never
+  Tensor checked;      // the planes as quant_linear's checked_planes gives them
+  const void* planes;  // checked's bytes
 };
+
+// out += bias in place, each sum rounded to T as at::add rounds it (float32, then to T)
+template <typename T>
+void add_bias(T* out, const T* bias, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      out[r * n + j] = static_cast<T>(static_cast<float>(out[r * n + j]) + static_cast<float>(bias[j]));
+}
 
 class FusedLinear {
  public:
-  FusedLinear(int64_t out_features, OptTensor bias) : out_features_(out_features), bias_(std::move(bias)) {}
-
+  // checked and product_address: the part's checked_planes and quant_linear's planes_product_address()
   void add_quantized(Tensor qs, OptTensor qh, Tensor scales, OptTensor mins, int64_t bits, int64_t group,
-                     int64_t zero, int64_t int8_rows) {
+                     int64_t zero, int64_t int8_rows, Tensor checked, int64_t product_address) {
     TORCH_CHECK(!weight_.defined(), "a linear is quantized parts or one float weight");
-    if (!quant_gemv_) {
-      quant_gemv_ = find_op<QuantGemv>("twostep::quant_gemv");
-    }
-    if (int8_rows > 0 && !quant_gemm_int8_) {
-      quant_gemm_int8_ = find_op<QuantGemv>("twostep::quant_gemm_int8");
-    }
-    parts_.push_back({std::move(qs), std::move(scales), std::move(qh), std::move(mins), bits, group, zero, int8_rows});
+    TORCH_CHECK(product_address != 0 && checked.is_contiguous(), "a part needs its checked planes and product");
+    product_ = reinterpret_cast<PlanesProduct>(product_address);
+    const void* planes = checked.data_ptr();
+    parts_.push_back({std::move(qs), std::move(scales), std::move(qh), std::move(mins), bits, group, zero, int8_rows,
+                      std::move(checked), planes});
   }
 
   void set_weight(Tensor weight, bool bf16_gemv) {
@@ -71,6 +82,11 @@ class FusedLinear {
   }
 
   // x [t, in] contiguous -> [t, out] in x's dtype, as the layer's LinearMethod computes it
+  FusedLinear(int64_t out_features, OptTensor bias) : out_features_(out_features), bias_(std::move(bias)) {
+    TORCH_CHECK(!bias_.has_value() || (bias_->dim() == 1 && bias_->is_contiguous() && bias_->size(0) == out_features_),
+                "bias: [out_features] contiguous");
+  }
+
   Tensor operator()(const Tensor& x) const {
     if (linear_bf16_) return linear_bf16_->call(x, weight_, bias_);
     if (weight_.defined()) return at::linear(x, weight_, bias_);
@@ -80,20 +96,31 @@ class FusedLinear {
     for (const QuantPart& p : parts_) {
       const int64_t n = p.qs.dim() == 3 ? p.qs.size(0) * 8 : p.qs.size(0);   // the panel layout: [n / 8, ...]
       Tensor columns = parts_.size() == 1 ? y : y.narrow(1, start, n);
-      const bool int8 = p.int8_rows > 0 && x.size(0) >= p.int8_rows;
-      (int8 ? *quant_gemm_int8_ : *quant_gemv_).call(x, p.qs, p.qh, p.scales, p.mins, p.bits, p.group, p.zero,
-                                                     columns);
+      product_(p.planes, p.int8_rows > 0 && x.size(0) >= p.int8_rows, x, columns);
       start += n;
     }
-    return bias_.has_value() ? y + *bias_ : y;
+    if (bias_.has_value()) add_bias_to(y);
+    return y;
   }
 
  private:
+  // y [t, out] += bias as `y + bias` computes it (in y's dtype; a bias of another dtype through at::add)
+  void add_bias_to(Tensor& y) const {
+    const Tensor& b = *bias_;
+    if (b.scalar_type() != y.scalar_type()) {
+      y = y + b;
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "add_bias", [&] {
+      add_bias(y.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), y.size(0), out_features_);
+    });
+  }
+
   int64_t out_features_;
   OptTensor bias_;
   std::vector<QuantPart> parts_;
   Tensor weight_;
-  std::optional<c10::TypedOperatorHandle<QuantGemv>> quant_gemv_, quant_gemm_int8_;
+  PlanesProduct product_ = nullptr;
   std::optional<c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&)>> linear_bf16_;
 };
 

@@ -2001,20 +2001,10 @@ bool brgemm_f32_runs() { return brgemm_runs<float>(); }
 bool brgemm_f32_runs() { return false; }
 #endif
 
-}  // namespace
-
-// out[m, :n] = x[m] . w^T for x [M, k], M <= 8 in the row layout, <= kPanelCallRows in the panel
-// layout; out is [M, n] with unit column stride, float32 or x's dtype (the sums are float32 either
-// way; a bf16 / fp16 out saves the caller a cast). Each row's sums are the same at any M.
-void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
-          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
-  RECORD_FUNCTION("twostep::quant_gemv", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
-  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
-              "out must be [M, n], float32 or x's dtype");
-  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
-  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
+// gemv and gemm_int8 below after their checks of the planes: x [M, p.k] and out [M, n] as they say
+void gemv_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
+  const int64_t k = p.k, m = x.size(0), group = p.group;
+  const int bits = p.bits;
   TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
   TORCH_CHECK(m <= (p.panels ? kPanelCallRows : 8), "gemv takes 1 to ", p.panels ? kPanelCallRows : 8,
               " rows in this layout; got ", m);
@@ -2040,33 +2030,91 @@ void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Ten
   });
 }
 
+void gemm_int8_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(p.bits != 8 || kDpbusd, "this build's int8 product takes 4 to 6-bit codes (8-bit ones need VNNI)");
+#ifdef TWOSTEP_AVX2
+  const int64_t m = x.size(0);
+  if (m == 0) return;
+  Int8Activations a;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_int8", [&] {
+    a = quantize_int8<scalar_t>(x.data_ptr<scalar_t>(), m, p.k, x.stride(0), p.group);
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemm_int8_out", [&] {
+    gemm_int8_panels<scalar_t>(p, n, m, a, out.data_ptr<scalar_t>(), out.stride(0));
+  });
+#else
+  (void)p, (void)n, (void)x, (void)out;      // multiplied only with AVX2
+  TORCH_CHECK(false, "this build has no int8 product (it needs AVX2)");
+#endif
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
+              "out must be [M, n], float32 or x's dtype");
+}
+
+// A part's planes, checked once, as the decode stack keeps them (planes_product below)
+struct CheckedPlanes {
+  Planes p;
+  int64_t n;
+};
+
+}  // namespace
+
+// out[m, :n] = x[m] . w^T for x [M, k], M <= 8 in the row layout, <= kPanelCallRows in the panel
+// layout; out is [M, n] with unit column stride, float32 or x's dtype (the sums are float32 either
+// way; a bf16 / fp16 out saves the caller a cast). Each row's sums are the same at any M.
+void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_gemv", c10::ArrayRef<c10::IValue>({}));
+  check_rows(x, out);
+  const int64_t n = rows_of(qs);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1));
+  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
+  gemv_planes(p, n, x, out);
+}
+
 // The same product for any number of rows through the int8 path (AVX2 builds; 4 to 6-bit codes):
 // out [M, n] float32 or x's dtype, unit column stride.
 void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
                const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
                int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemm_int8", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "2-D row-major views");
-  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()) && out.size(0) == x.size(0),
-              "out must be [M, n], float32 or x's dtype");
-  TORCH_CHECK(bits != 8 || kDpbusd, "this build's int8 product takes 4 to 6-bit codes (8-bit ones need VNNI)");
-  const int64_t k = x.size(1), n = rows_of(qs), m = x.size(0);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+  check_rows(x, out);
+  const int64_t n = rows_of(qs);
+  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1));
   TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
-#ifdef TWOSTEP_AVX2
-  if (m == 0) return;
-  Int8Activations a;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_int8", [&] {
-    a = quantize_int8<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0), group);
-  });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemm_int8_out", [&] {
-    gemm_int8_panels<scalar_t>(p, n, m, a, out.data_ptr<scalar_t>(), out.stride(0));
-  });
-#else
-  (void)m, (void)p;      // checked above, multiplied only with AVX2
-  TORCH_CHECK(false, "this build has no int8 product (it needs AVX2)");
-#endif
+  gemm_int8_planes(p, n, x, out);
 }
+
+// The decode stack's way to these products (kernels/decode_step.cpp): a part's planes checked once
+// at load into bytes it keeps (checked_planes), then each step's call through a plain function
+// pointer (planes_product_address) instead of the dispatcher. Through the dispatcher a call read
+// each plane's tensor (its impl and storage) and the op's entry, every one of them evicted by the
+// step's weight stream: 2-2.5 us a call on the Qwen shape, 4 calls a layer. The same products, the
+// same sums: only the way in differs. The caller keeps the planes' tensors alive.
+at::Tensor checked_planes(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
+                          int64_t k) {
+  const CheckedPlanes checked{planes_of(qs, qh, scales, mins, bits, group, zero, k), rows_of(qs)};
+  at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof checked)}, at::kByte);
+  std::memcpy(bytes.data_ptr(), &checked, sizeof checked);
+  return bytes;
+}
+
+// out = x . w^T as gemm_int8 (int8) or gemv computes it, for w checked by checked_planes
+void planes_product(const void* planes, bool int8, const at::Tensor& x, at::Tensor& out) {
+  // (the profiler's shapes as the ops record them: x first; made only while it records shapes)
+  RECORD_FUNCTION(int8 ? "twostep::quant_gemm_int8" : "twostep::quant_gemv", std::vector<c10::IValue>({x, out}));
+  CheckedPlanes c;
+  std::memcpy(&c, planes, sizeof c);
+  check_rows(x, out);
+  TORCH_CHECK(x.size(1) == c.p.k && out.size(1) == c.n, "x [M, ", c.p.k, "] and out [M, ", c.n, "]");
+  int8 ? gemm_int8_planes(c.p, c.n, x, out) : gemv_planes(c.p, c.n, x, out);
+}
+
+int64_t planes_product_address() { return reinterpret_cast<int64_t>(&planes_product); }
 
 // Rows of the panel layout: a whole panel asked in order (a tile of consecutive rows) decoded
 // eight rows a block at once where the build has vectors, any other row code by code
@@ -2352,6 +2400,9 @@ TWOSTEP_IMPL(TWOSTEP_OPS, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "quantized matrix-vector product for a few rows (panel_call_rows()), int16 activations");
   m.def("panel_call_rows", [] { return kPanelCallRows; }, "the most rows gemv takes in the panel layout (8 in the row layout)");
+  m.def("checked_planes", &checked_planes, "a part's planes checked once, as bytes planes_product reads");
+  m.def("planes_product_address", &planes_product_address,
+        "the address of void planes_product(const void* planes, bool int8, const Tensor& x, Tensor& out)");
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");
   m.def("has_int8", &has_int8, "whether this build has the int8 product");
   m.def("int8_bits", &int8_bits, "the code widths this build's int8 product takes");

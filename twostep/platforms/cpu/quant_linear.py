@@ -157,15 +157,18 @@ class QuantizedLinearMethod:
         part_int8_rows() for the code widths it takes, as apply() and matmul(). Up to the rows the
         passes of the other parts take in one call (call_rows); any number where every part takes
         the int8 product.
-        The stack calls the op twostep::quant_gemv, which only the platform's build registers (the
-        portable build's is twostep_portable::): any other kernel is not fused."""
+        The stack calls the platform build's products through planes_product (not the
+        dispatcher): any other kernel (the portable build) is not fused."""
         if self.kernel is not kernels.quant_linear():
             return None
         int8 = self.int8_mode != "off"
         int8_bits = self.int8_bits if int8 else frozenset()
         linear = kernel.FusedLinear(layer.out_features, layer.plain_bias)
+        product = self.kernel.planes_product_address()
         for part in layer.quantized.parts:
-            linear.add_quantized(*part.planes(), *_format_args(part), self.part_int8_rows(part) if int8 else 0)
+            args = (*part.planes(), *_format_args(part))
+            linear.add_quantized(*args, self.part_int8_rows(part) if int8 else 0,
+                                 self.kernel.checked_planes(*args, part.k), product)
         passes = [self.call_rows(p, dtype) for p in layer.quantized.parts if p.fmt.bits not in int8_bits]
         return linear, min(passes, default=None)
 
