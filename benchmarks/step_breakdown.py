@@ -18,7 +18,8 @@ of every decode step with a clock around them (the clock costs ~0.3 us a call, ~
 When the decode stack runs the layers in one C++ call (models/fused_decode.py; "stack" below), no
 Python clock sees inside it: a profile of a few more steps (at the measured steps' mean context)
 gives the time of its matrix-vector ops
-(under weights) and of its K/V writes and paged attention (under attention) per call; the rest of
+(under weights), of its K/V writes and paged attention (under attention) and of the lm_head it runs where a
+step wants every row's logits (under logits), per call; the rest of
 its clocked time, the stack's glue, stays under other ops.
 Medians over the decode steps; the bound line is the bytes a batch-1 step streams (each linear's
 form the matrix-vector product reads: quantized codes, or the row-major bf16 copy; the lm_head
@@ -90,12 +91,13 @@ def clocked_linears(clock: StepClock):
 def instrument(llm: LLM, clock: StepClock) -> None:
     engine, runner = llm.engine, llm.engine.runner
     clock.wrap(runner.backend, "forward", "attention")
-    clock.wrap(runner.model, "forward", "forward")          # the model's forward alone (no logits)
+    # the model's forward (and, where the decode stack runs the lm_head, the logits: split_stack)
+    clock.wrap(runner.model, "hidden_and_logits", "forward")
     if runner.model.fused_decode is not None:
         clock.wrap(runner.model, "fused_decode", "stack")   # the decode stack: one C++ call
     clock.wrap(runner, "_prepare", "inputs")
     clock.wrap(runner.backend, "build_metadata", "inputs")
-    clock.wrap(runner.model, "compute_logits", "lm_head")
+    clock.wrap(runner.model, "compute_logits", "lm_head")   # the logits where the stack does not run them
     clock.wrap(runner, "_results", "sampling")
     clock.wrap(runner, "execute", "execute")
     step = engine.step
@@ -131,6 +133,7 @@ def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
 WEIGHT_OPS = ("twostep::quant_gemv", "twostep::quant_gemm_int8", "twostep::linear_bf16", "aten::linear")
 ATTENTION_OPS = ("twostep::paged_decode_attention", "twostep::write_kv")
 STACK = "twostep::decode_layers"
+HEAD = "twostep::decode_head"           # inside STACK: its lm_head
 
 
 class OpSwitch:
@@ -165,8 +168,9 @@ def measure(llm: LLM, clock: StepClock, prompts, params, in_stack: bool) -> dict
     return parts
 
 
-def stack_kernels(llm: LLM, prompts, context: int) -> tuple[float, float]:
-    """Milliseconds a decode stack call spends in the matrix-vector ops and in the attention ops,
+def stack_kernels(llm: LLM, prompts, context: int) -> tuple[float, float, float]:
+    """Milliseconds a decode stack call spends in the layers' matrix-vector ops, in the attention ops
+    and in its head (the lm_head and the logits' float32 copy),
     from a profile of a few decode steps (each op's own time; the profiler's cost per event falls
     on the stack's glue between them, so these two are the less distorted part) at about `context`
     positions, the measured steps' mean: the prompts lengthened to it (attention's time grows with
@@ -175,15 +179,17 @@ def stack_kernels(llm: LLM, prompts, context: int) -> tuple[float, float]:
     at_context = [p + [100 + (p[-1] + j) % 1000 for j in range(1, context - len(p) + 1)] for p in prompts]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(at_context, params, use_tqdm=False)
-    calls, total = 0, {"weights": 0.0, "attention": 0.0}
+    calls, total = 0, {"weights": 0.0, "attention": 0.0, "head": 0.0}
     for event in prof.events():
         if event.name == STACK:
             calls += 1
-        elif _under(event, STACK):
+        elif event.name == HEAD and _under(event, STACK):
+            total["head"] += event.cpu_time_total / 1e3
+        elif _under(event, STACK) and not _under(event, HEAD):
             kind = "weights" if event.name in WEIGHT_OPS else "attention" if event.name in ATTENTION_OPS else None
             if kind is not None and not _under(event, (*WEIGHT_OPS, *ATTENTION_OPS)):
                 total[kind] += event.cpu_time_total / 1e3
-    return (total["weights"] / calls, total["attention"] / calls) if calls else (0.0, 0.0)
+    return tuple(total[k] / calls for k in ("weights", "attention", "head")) if calls else (0.0, 0.0, 0.0)
 
 
 def _under(event, names) -> bool:
@@ -196,14 +202,16 @@ def _under(event, names) -> bool:
     return False
 
 
-def split_stack(parts: dict[str, float], layers: float, kernels: tuple[float, float]) -> None:
-    """Move the stack's weights and attention out of "other ops", where the clock put them (at
-    most the stack's clocked time)."""
-    weights, attention = (min(k, layers) for k in kernels)
+def split_stack(parts: dict[str, float], layers: float, kernels: tuple[float, float, float]) -> None:
+    """Move the stack's weights and attention out of "other ops", where the clock put them, and its
+    head into logits (at most the stack's clocked time)."""
+    weights, attention, head = (min(k, layers) for k in kernels)
     attention = min(attention, layers - weights)
+    head = min(head, layers - weights - attention)
     parts["weights"] += weights
     parts["attention"] += attention
-    parts["other ops"] -= weights + attention
+    parts["logits"] += head
+    parts["other ops"] -= weights + attention + head
 
 
 def main() -> None:

@@ -68,6 +68,31 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, d
     assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype)))
 
 
+@pytest.mark.parametrize("kw", [dict(dtype="float32"), dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="int4")],
+                         ids=["float32", "bf16", "int4"])
+def test_a_decode_steps_logits_come_from_the_stack(tiny_model_dir, kw):
+    """The stack runs the final norm and the lm_head too: where a decode step wants every row's
+    logits (rows up to the lm_head's own limit), they come from its call and compute_logits does not
+    run; prompt steps and larger batches compute them after. The same outputs as the layers'."""
+    engine = stack_or_skip(make(tiny_model_dir("qwen2"), **kw))
+    stack, model, events = engine.model.fused_decode, engine.model, []
+    assert stack.head_rows >= 1
+
+    def spied_stack(*args):
+        out = stack(*args)
+        events.append("none" if out is None else "logits" if out[1] is not None else "hidden")
+        return out
+
+    compute_logits = model.compute_logits
+    model.fused_decode = spied_stack
+    model.compute_logits = lambda hidden: events.append("compute_logits") or compute_logits(hidden)
+    fused = outputs(engine, PROMPTS[:2])
+    assert events.count("logits") >= PARAMS.max_tokens - 1     # every decode step at one and two rows
+    assert not any(a == "logits" and b == "compute_logits" for a, b in zip(events, events[1:]))
+    assert "compute_logits" in events                           # the prompts' steps
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir("qwen2"), **kw)), PROMPTS[:2])
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -119,10 +119,12 @@ class ModelRunner:
             inputs = inputs.to(self.device)
         self.ensure_zeroed(inputs.blocks)
         meta = self.backend.build_metadata(inputs.meta)
+        every_row = rows is not None and rows == list(range(len(inputs.input_ids)))
         with decode_batch(inputs.decode_batch):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, self.backend)
-            if rows is None:
-                return hidden, None
+            hidden, logits = self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.kv_caches,
+                                                          meta, self.backend, every_row)
+            if rows is None or logits is not None:
+                return hidden, logits
             return hidden, self.model.compute_logits(_pick_rows(hidden, rows))
 
     def ensure_zeroed(self, block_ids: list[int]) -> None:

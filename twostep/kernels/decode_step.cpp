@@ -1,6 +1,7 @@
 // A decode step's decoder layers in one call (models/fused_decode.py): for each layer the input
 // norm (with the residual add), the qkv projection, q/k norms, rotary, the K/V write, paged decode
-// attention, o_proj, the second norm, gate/up, SiLU-and-mul and down, in the order and through the
+// attention, o_proj, the second norm, gate/up, SiLU-and-mul and down, then the final norm and, where
+// the step asks for every row's logits, the lm_head, in the order and through the
 // same registered ops (torch.library, looked up once in the dispatcher) that the Python layers
 // call one by one (models/decoder.py). So the results are bit-identical to theirs, and what is
 // saved is the interpreter: ~40 Python calls, views and tensor wrappers per layer, 1.5-3 ms of a
@@ -151,14 +152,24 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The model's final norm and lm_head, so a step that asks for every row's logits gets them from
+  // this call too (what DecoderForCausalLM.compute_logits computes)
+  void set_head(Tensor final_norm, std::shared_ptr<FusedLinear> lm_head) {
+    final_norm_ = std::move(final_norm);
+    lm_head_ = std::move(lm_head);
+  }
+
+  bool has_head() const { return lm_head_ != nullptr; }
+
   // x: the embeddings [t, hidden] of t sequences decoding one token each (it becomes the residual
   // stream and is updated in place); cos/sin [t, 1, head_dim]; kv_values: each layer's cache
   // values; slots [t]; q_index [t, 1], q_lens, tables, seq_lens: the paged decode plan.
-  // -> (the last layer's output, the residual stream before it), as DecoderLayer.forward returns.
-  std::tuple<Tensor, Tensor> forward(Tensor x, const Tensor& cos, const Tensor& sin,
-                                     const std::vector<Tensor>& kv_values, const Tensor& slots,
-                                     const Tensor& q_index, const Tensor& q_lens, const Tensor& tables,
-                                     const Tensor& seq_lens) const {
+  // -> (the final norm's output, and with `logits` float32 logits of every row, as the model's
+  // forward and compute_logits return them; else none).
+  std::tuple<Tensor, OptTensor> forward(Tensor x, const Tensor& cos, const Tensor& sin,
+                                        const std::vector<Tensor>& kv_values, const Tensor& slots,
+                                        const Tensor& q_index, const Tensor& q_lens, const Tensor& tables,
+                                        const Tensor& seq_lens, bool logits) const {
     RECORD_FUNCTION("twostep::decode_layers", c10::ArrayRef<c10::IValue>({}));
     TORCH_CHECK(kv_values.size() == layers_.size(), "one cache per layer: ", kv_values.size(), " for ",
                 layers_.size());
@@ -173,10 +184,20 @@ class DecoderStack {
       h = add_rms_norm_.call(h, residual, layer.post_norm, eps_);
       x = (*layer.down)(silu_and_mul_.call((*layer.gate_up)(h)));
     }
-    return {x, residual};
+    TORCH_CHECK(final_norm_.defined(), "the stack has no final norm (set_head)");
+    Tensor hidden = add_rms_norm_.call(x, residual, final_norm_, eps_);
+    if (!logits) return {hidden, std::nullopt};
+    return {hidden, head(hidden)};
   }
 
  private:
+  // float32 logits of every row (named in a profile: step_breakdown counts it under logits)
+  Tensor head(const Tensor& hidden) const {
+    RECORD_FUNCTION("twostep::decode_head", c10::ArrayRef<c10::IValue>({}));
+    TORCH_CHECK(lm_head_ != nullptr, "the stack has no lm_head (set_head)");
+    return (*lm_head_)(hidden).to(at::kFloat);
+  }
+
   Tensor attention(const FusedLayer& layer, const Tensor& h, const Tensor& cos, const Tensor& sin,
                    const Tensor& kv, const Tensor& slots, const Tensor& q_index, const Tensor& q_lens,
                    const Tensor& tables, const Tensor& seq_lens) const {
@@ -200,6 +221,8 @@ class DecoderStack {
   int64_t heads_, kv_heads_, dim_;
   double eps_, scale_;
   std::vector<FusedLayer> layers_;
+  Tensor final_norm_;
+  std::shared_ptr<FusedLinear> lm_head_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm_;
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
@@ -222,6 +245,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
+      .def("set_head", &DecoderStack::set_head, "the final norm's weight and the lm_head (None: no logits here)")
+      .def("has_head", &DecoderStack::has_head)
       .def("forward", &DecoderStack::forward, "every decoder layer of a decode step",
            py::call_guard<py::gil_scoped_release>());
 }

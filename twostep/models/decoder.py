@@ -127,16 +127,24 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list, meta,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        return self.hidden_and_logits(input_ids, positions, kv_caches, meta, backend)[0]
+
+    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta,
+                          backend: AttentionBackend, every_row: bool = False,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's hidden states, and where every_row asks for all their logits and the decode
+        stack takes the step with its lm_head, compute_logits of them from the stack's call (else None:
+        the caller computes the logits of the rows it wants)."""
         x = self.tp.embed(self.model.embed_tokens, input_ids, self.config.vocab_size)
         rope = self.rotary.lookup(positions, x.dtype)
-        fused = None if self.fused_decode is None else self.fused_decode(x, rope, kv_caches, meta, backend)
-        if fused is not None:
-            x, residual = fused
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
-                x, residual = layer(x, residual, rope, kv_cache, meta, backend)
-        return self.model.norm(x, residual)
+        if self.fused_decode is not None:
+            fused = self.fused_decode(x, rope, kv_caches, meta, backend, every_row)
+            if fused is not None:
+                return fused
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv_cache, meta, backend)
+        return self.model.norm(x, residual), None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.gather_last_dim(self.lm_head(hidden).float())
