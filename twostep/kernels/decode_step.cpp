@@ -63,6 +63,11 @@ void add_bias(T* out, const T* bias, int64_t rows, int64_t n) {
 
 class FusedLinear {
  public:
+  FusedLinear(int64_t out_features, OptTensor bias) : out_features_(out_features), bias_(std::move(bias)) {
+    TORCH_CHECK(!bias_.has_value() || (bias_->dim() == 1 && bias_->is_contiguous() && bias_->size(0) == out_features_),
+                "bias: [out_features] contiguous");
+  }
+
   // checked and product_address: the part's checked_planes and quant_linear's planes_product_address()
   void add_quantized(Tensor qs, OptTensor qh, Tensor scales, OptTensor mins, int64_t bits, int64_t group,
                      int64_t zero, int64_t int8_rows, Tensor checked, int64_t product_address) {
@@ -83,11 +88,6 @@ class FusedLinear {
   }
 
   // x [t, in] contiguous -> [t, out] in x's dtype, as the layer's LinearMethod computes it
-  FusedLinear(int64_t out_features, OptTensor bias) : out_features_(out_features), bias_(std::move(bias)) {
-    TORCH_CHECK(!bias_.has_value() || (bias_->dim() == 1 && bias_->is_contiguous() && bias_->size(0) == out_features_),
-                "bias: [out_features] contiguous");
-  }
-
   Tensor operator()(const Tensor& x) const {
     if (linear_bf16_) return linear_bf16_->call(x, weight_, bias_);
     if (weight_.defined()) return at::linear(x, weight_, bias_);

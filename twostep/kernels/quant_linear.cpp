@@ -2092,8 +2092,8 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
 // at load into bytes it keeps (checked_planes), then each step's call through a plain function
 // pointer (planes_product_address) instead of the dispatcher. Through the dispatcher a call read
 // each plane's tensor (its impl and storage) and the op's entry, every one of them evicted by the
-// step's weight stream: 2-2.5 us a call on the Qwen shape, 4 calls a layer. The same products, the
-// same sums: only the way in differs. The caller keeps the planes' tensors alive.
+// step's weight stream: ~0.7 us a call on the Qwen shape, 97 calls a step (a step 1.008x). The same
+// products, the same sums: only the way in differs. The caller keeps the planes' tensors alive.
 at::Tensor checked_planes(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
                           int64_t k) {
