@@ -1,4 +1,5 @@
-// A decode step's decoder layers in one call (models/fused_decode.py): for each layer the input
+// A decode step's decoder layers in one call (models/fused_decode.py): from the step's token ids
+// and positions the embeddings and the rotary tables' rows, then for each layer the input
 // norm (with the residual add), the qkv projection, q/k norms, rotary, the K/V write, paged decode
 // attention, o_proj, the second norm, gate/up, SiLU-and-mul and down, then the final norm and, where
 // the step asks for every row's logits, the lm_head, in the order and through the
@@ -43,6 +44,8 @@ using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, do
 // quant_linear.cpp's planes_product: a part's product from its checked planes, not through the
 // dispatcher (read there why)
 using PlanesProduct = void (*)(const void* planes, bool int8, const Tensor& x, Tensor& out);
+// and its planes_rows: rows of a quantized embedding table
+using PlanesRows = void (*)(const void* planes, const Tensor& ids, Tensor& out);
 
 struct QuantPart {
   Tensor qs, scales;
@@ -161,20 +164,41 @@ class DecoderStack {
 
   bool has_head() const { return lm_head_ != nullptr; }
 
-  // x: the embeddings [t, hidden] of t sequences decoding one token each (it becomes the residual
-  // stream and is updated in place); cos/sin [t, 1, head_dim]; kv_values: each layer's cache
-  // values; slots [t]; q_index [t, 1], q_lens, tables, seq_lens: the paged decode plan.
+  // What the model computes before its layers from a step's token ids and positions: the rotary
+  // tables' rows (cos / sin [max_positions, 1, head_dim], in the embeddings' dtype) and the
+  // embedding's rows, of a float table (in the tables' dtype) or of a quantized one (its planes
+  // checked by quant_linear's checked_planes, read by planes_rows at rows_address; table: none)
+  void set_inputs(Tensor cos_table, Tensor sin_table, OptTensor table, OptTensor checked, int64_t rows_address,
+                  int64_t hidden) {
+    TORCH_CHECK(cos_table.scalar_type() == sin_table.scalar_type() && table.has_value() != checked.has_value() &&
+                    (table.has_value() || rows_address != 0),
+                "rotary tables of one dtype, and a float table or a quantized one's planes");
+    cos_table_ = std::move(cos_table);
+    sin_table_ = std::move(sin_table);
+    table_ = std::move(table);
+    checked_ = std::move(checked);
+    rows_ = checked_.has_value() ? reinterpret_cast<PlanesRows>(rows_address) : nullptr;
+    hidden_ = hidden;
+  }
+
+  // ids, positions [t]: the token ids and positions of t sequences decoding one token each;
+  // kv_values: each layer's cache values; slots [t]; q_index [t, 1], q_lens, tables, seq_lens: the
+  // paged decode plan.
   // -> (the final norm's output, and with `logits` float32 logits of every row, as the model's
   // forward and compute_logits return them; else none).
-  std::tuple<Tensor, OptTensor> forward(Tensor x, const Tensor& cos, const Tensor& sin,
+  std::tuple<Tensor, OptTensor> forward(const Tensor& ids, const Tensor& positions,
                                         const std::vector<Tensor>& kv_values, const Tensor& slots,
                                         const Tensor& q_index, const Tensor& q_lens, const Tensor& tables,
                                         const Tensor& seq_lens, bool logits) const {
     RECORD_FUNCTION("twostep::decode_layers", c10::ArrayRef<c10::IValue>({}));
     TORCH_CHECK(kv_values.size() == layers_.size(), "one cache per layer: ", kv_values.size(), " for ",
                 layers_.size());
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [tokens, hidden]");
+    TORCH_CHECK(cos_table_.defined(), "the stack has no inputs (set_inputs)");
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "ids, positions: [t]");
     at::NoGradGuard no_grad;
+    // the embeddings become the residual stream, updated in place
+    Tensor x = embed(ids.to(at::kLong).contiguous());
+    const Tensor cos = cos_table_.index_select(0, positions), sin = sin_table_.index_select(0, positions);
     Tensor residual = x;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const FusedLayer& layer = layers_[i];
@@ -191,6 +215,14 @@ class DecoderStack {
   }
 
  private:
+  // the embedding's rows [t, hidden] in the tables' dtype, as the model's Embedding returns them
+  Tensor embed(const Tensor& ids) const {
+    if (table_.has_value()) return table_->index_select(0, ids).to(cos_table_.scalar_type());
+    Tensor rows = at::empty({ids.size(0), hidden_}, cos_table_.options());
+    rows_(checked_->data_ptr(), ids, rows);
+    return rows;
+  }
+
   // float32 logits of every row (named in a profile: step_breakdown counts it under logits)
   Tensor head(const Tensor& hidden) const {
     RECORD_FUNCTION("twostep::decode_head", c10::ArrayRef<c10::IValue>({}));
@@ -223,6 +255,10 @@ class DecoderStack {
   std::vector<FusedLayer> layers_;
   Tensor final_norm_;
   std::shared_ptr<FusedLinear> lm_head_;
+  Tensor cos_table_, sin_table_;
+  OptTensor table_, checked_;
+  PlanesRows rows_ = nullptr;
+  int64_t hidden_ = 0;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm_;
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
@@ -247,6 +283,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_head", &DecoderStack::set_head, "the final norm's weight and the lm_head (None: no logits here)")
       .def("has_head", &DecoderStack::has_head)
+      .def("set_inputs", &DecoderStack::set_inputs,
+           "the rotary tables, and a float embedding table or a quantized one's checked planes and planes_rows")
       .def("forward", &DecoderStack::forward, "every decoder layer of a decode step",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -2191,20 +2191,16 @@ void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_
   });
 }
 
-// out[r] = w[ids[r]] for each id; out [len(ids), k] float32, bf16 or fp16, contiguous.
-void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
-                     const at::Tensor& ids, at::Tensor& out) {
-  RECORD_FUNCTION("twostep::quant_dequantize_rows", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && out.is_contiguous(), "bad ids / out");
-  const int64_t k = out.size(1), count = ids.numel();
-  TORCH_CHECK(out.size(0) == count, "out rows != ids");
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, k);
+namespace {
+
+// dequantize_rows after its checks of the planes: ids in range, out [ids, p.k] contiguous
+void dequantize_rows_planes(const Planes& p, int64_t n, const at::Tensor& ids, at::Tensor& out) {
+  const int64_t count = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < rows_of(qs), "row id out of range");
+  for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "row id out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    switch (bits) {
+    switch (p.bits) {
       case 4: return dequantize_into<4, scalar_t>(p, id, count, o);
       case 5: return dequantize_into<5, scalar_t>(p, id, count, o);
       case 6: return dequantize_into<6, scalar_t>(p, id, count, o);
@@ -2212,6 +2208,31 @@ void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, 
     }
   });
 }
+
+}  // namespace
+
+// out[r] = w[ids[r]] for each id; out [len(ids), k] float32, bf16 or fp16, contiguous.
+void dequantize_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero,
+                     const at::Tensor& ids, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_dequantize_rows", c10::ArrayRef<c10::IValue>({}));
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && out.is_contiguous(), "bad ids / out");
+  TORCH_CHECK(out.size(0) == ids.numel(), "out rows != ids");
+  dequantize_rows_planes(planes_of(qs, qh, scales, mins, bits, group, zero, out.size(1)), rows_of(qs), ids, out);
+}
+
+// rows `ids` of a part checked by checked_planes into out [ids, k] (the decode stack's embedding
+// lookup, as dequantize_rows computes it)
+void planes_rows(const void* planes, const at::Tensor& ids, at::Tensor& out) {
+  RECORD_FUNCTION("twostep::quant_dequantize_rows", c10::ArrayRef<c10::IValue>({}));
+  CheckedPlanes c;
+  std::memcpy(&c, planes, sizeof c);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && out.is_contiguous(), "bad ids / out");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == ids.numel() && out.size(1) == c.p.k, "out: [ids, ", c.p.k, "]");
+  dequantize_rows_planes(c.p, c.n, ids, out);
+}
+
+int64_t planes_rows_address() { return reinterpret_cast<int64_t>(&planes_rows); }
 
 // The checks gemm_bf16 and gemm_f32 share (2-D row-major x and out of `type`, the panel layout, a
 // brgemm that runs here) and the weight's planes
@@ -2401,6 +2422,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "quantized matrix-vector product for a few rows (panel_call_rows()), int16 activations");
   m.def("panel_call_rows", [] { return kPanelCallRows; }, "the most rows gemv takes in the panel layout (8 in the row layout)");
   m.def("checked_planes", &checked_planes, "a part's planes checked once, as bytes planes_product reads");
+  m.def("planes_rows_address", &planes_rows_address,
+        "the address of void planes_rows(const void* planes, const Tensor& ids, Tensor& out)");
   m.def("planes_product_address", &planes_product_address,
         "the address of void planes_product(const void* planes, bool int8, const Tensor& x, Tensor& out)");
   m.def("gemm_int8", &gemm_int8, "quantized matrix product for any rows, int8 activations (AVX2; 4-6-bit codes)");

@@ -135,12 +135,12 @@ class DecoderForCausalLM(nn.Module):
         """forward's hidden states, and where every_row asks for all their logits and the decode
         stack takes the step with its lm_head, compute_logits of them from the stack's call (else None:
         the caller computes the logits of the rows it wants)."""
-        x = self.tp.embed(self.model.embed_tokens, input_ids, self.config.vocab_size)
-        rope = self.rotary.lookup(positions, x.dtype)
         if self.fused_decode is not None:
-            fused = self.fused_decode(x, rope, kv_caches, meta, backend, every_row)
+            fused = self.fused_decode(input_ids, positions, kv_caches, meta, backend, every_row)
             if fused is not None:
                 return fused
+        x = self.tp.embed(self.model.embed_tokens, input_ids, self.config.vocab_size)
+        rope = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, backend)

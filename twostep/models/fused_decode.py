@@ -1,9 +1,11 @@
 """A decode step's decoder layers as one C++ call (twostep/kernels/decode_step.cpp), where the
 platform has every kernel it needs: the role CUDA graphs play for vLLM's decode, on a CPU. The call
-ends with the final norm and, where the step wants every row's logits and the lm_head's method
-fuses (up to its rows), the lm_head and the float32 logits: the Python that ran them after the call
-(~0.14 ms of a Qwen-shape Q4_0 step where memory is slow: it runs with the caches just evicted) is
-gone; alternated step by step with the logits computed after the call, 1.007x.
+starts from the step's token ids and positions (the embedding's rows, a quantized table's through
+the kernel's planes_rows, and the rotary tables' rows) and ends with the final norm and, where the
+step wants every row's logits and the lm_head's method fuses (up to its rows), the lm_head and the
+float32 logits. The Python that ran those before and after the call runs with the caches just
+evicted by the step's weight stream (~0.14 ms of a Qwen-shape Q4_0 step after it where memory is
+slow); alternated step by step in one process, the logits in the call 1.007x, the lookups 1.013x.
 
 At batch 1 the Python around each layer's ~10 kernel calls (module calls, views, wrappers, the
 attention plan's indirection) cost as much as a third of the step on SmolLM2-135M (30 layers). The
@@ -43,21 +45,22 @@ class FusedDecode:
         self.stack, self.max_rows, self.backend = stack, max_rows, backend
         self.head_rows = head_rows      # the most rows whose logits the stack computes (its lm_head's limit)
 
-    def __call__(self, x: torch.Tensor, rope, kv_caches: list, meta, backend, logits: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta, backend,
+                 logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(the final norm's output, and where `logits` asks for every row's and the stack's lm_head
         takes the rows, their float32 logits, else None) for a step it takes; None for one it does not."""
         # the backend it was built for builds HybridMetadata
         # a decode batch has only decode rows in the metadata; the stack takes one per sequence
         # (a sequence verifying drafts has more: the layers run those steps)
-        if not in_decode_batch() or backend is not self.backend or x.shape[0] > self.max_rows:
+        rows = input_ids.shape[0]
+        if not in_decode_batch() or backend is not self.backend or rows > self.max_rows:
             return None
         plan = meta.decode
-        if x.shape[0] != plan.seq_lens.shape[0]:
+        if rows != plan.seq_lens.shape[0]:
             return None
-        return self.stack.forward(x, rope.cos, rope.sin, [c.values for c in kv_caches],
+        return self.stack.forward(input_ids, positions, [c.values for c in kv_caches],
                                   meta.common.slot_mapping, plan.rows.index, plan.query_lens, plan.tables,
-                                  plan.seq_lens, logits and x.shape[0] <= self.head_rows)
+                                  plan.seq_lens, logits and rows <= self.head_rows)
 
 
 def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend) -> FusedDecode | None:
@@ -93,6 +96,18 @@ def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDe
         k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                         q_norm, k_norm, *linears)
+    # the embedding's and the rotary tables' rows from the step's ids and positions
+    embedding = model.model.embed_tokens
+    x_dtype = embedding.dtype or embedding.weight.dtype
+    cos, sin = model.rotary.tables(x_dtype)
+    if embedding.quantized is None:
+        stack.set_inputs(cos, sin, embedding.weight.detach(), None, 0, cfg.hidden_size)
+    else:
+        fused_rows = getattr(embedding.method, "fused_rows", None)
+        rows = None if fused_rows is None else fused_rows(embedding.quantized)
+        if rows is None:
+            return None
+        stack.set_inputs(cos, sin, None, *rows, cfg.hidden_size)
     # the lm_head too where its method fuses (else the model computes the logits after the call)
     head = model.lm_head.method.fused(model.lm_head, kernel, dtype)
     stack.set_head(model.model.norm.weight.detach(), None if head is None else head[0])

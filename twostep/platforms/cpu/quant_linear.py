@@ -172,6 +172,15 @@ class QuantizedLinearMethod:
         passes = [self.call_rows(p, dtype) for p in layer.quantized.parts if p.fmt.bits not in int8_bits]
         return linear, min(passes, default=None)
 
+    def fused_rows(self, weight: QuantizedWeight) -> tuple[torch.Tensor, int] | None:
+        """An embedding table's lookup as the decode stack calls it: (its planes checked once, the
+        address of the kernel's planes_rows), as embed() computes it; None where embed() would not
+        take that one call (a table of several parts, another kernel than the platform's build)."""
+        if self.kernel is not kernels.quant_linear() or len(weight.parts) != 1:
+            return None
+        part = weight.parts[0]
+        return self.kernel.checked_planes(*part.planes(), *_format_args(part), part.k), self.kernel.planes_rows_address()
+
     def call_rows(self, part: PackedWeight, dtype: torch.dtype) -> int:
         """The most rows of `dtype` one call of the passes takes where the layers take passes too: in
         the panel layout every row up to part_gemv_max_rows (the weights stream once), in the row
