@@ -2060,6 +2060,16 @@ struct CheckedPlanes {
   int64_t n;
 };
 
+// The ops' checks of x [M, k], the planes and out [M, n]
+CheckedPlanes checked_call(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                           int64_t group, int64_t zero, const at::Tensor& out) {
+  check_rows(x, out);
+  const CheckedPlanes c{planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1)), rows_of(qs)};
+  TORCH_CHECK(out.size(1) == c.n, "out has ", out.size(1), " columns for ", c.n, " weight rows");
+  return c;
+}
+
 }  // namespace
 
 // out[m, :n] = x[m] . w^T for x [M, k], M <= 8 in the row layout, <= kPanelCallRows in the panel
@@ -2068,11 +2078,8 @@ struct CheckedPlanes {
 void gemv(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& qh, const at::Tensor& scales,
           const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemv", c10::ArrayRef<c10::IValue>({}));
-  check_rows(x, out);
-  const int64_t n = rows_of(qs);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1));
-  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
-  gemv_planes(p, n, x, out);
+  const CheckedPlanes c = checked_call(x, qs, qh, scales, mins, bits, group, zero, out);
+  gemv_planes(c.p, c.n, x, out);
 }
 
 // The same product for any number of rows through the int8 path (AVX2 builds; 4 to 6-bit codes):
@@ -2081,11 +2088,8 @@ void gemm_int8(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at
                const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
                int64_t zero, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_gemm_int8", c10::ArrayRef<c10::IValue>({}));
-  check_rows(x, out);
-  const int64_t n = rows_of(qs);
-  const Planes p = planes_of(qs, qh, scales, mins, bits, group, zero, x.size(1));
-  TORCH_CHECK(out.size(1) == n, "out has ", out.size(1), " columns for ", n, " weight rows");
-  gemm_int8_planes(p, n, x, out);
+  const CheckedPlanes c = checked_call(x, qs, qh, scales, mins, bits, group, zero, out);
+  gemm_int8_planes(c.p, c.n, x, out);
 }
 
 // The decode stack's way to these products (kernels/decode_step.cpp): a part's planes checked once
