@@ -178,6 +178,7 @@ class DecoderStack {
     table_ = std::move(table);
     checked_ = std::move(checked);
     rows_ = checked_.has_value() ? reinterpret_cast<PlanesRows>(rows_address) : nullptr;
+    table_planes_ = checked_.has_value() ? checked_->data_ptr() : nullptr;
     hidden_ = hidden;
   }
 
@@ -219,7 +220,7 @@ class DecoderStack {
   Tensor embed(const Tensor& ids) const {
     if (table_.has_value()) return table_->index_select(0, ids).to(cos_table_.scalar_type());
     Tensor rows = at::empty({ids.size(0), hidden_}, cos_table_.options());
-    rows_(checked_->data_ptr(), ids, rows);
+    rows_(table_planes_, ids, rows);
     return rows;
   }
 
@@ -258,6 +259,7 @@ class DecoderStack {
   Tensor cos_table_, sin_table_;
   OptTensor table_, checked_;
   PlanesRows rows_ = nullptr;
+  const void* table_planes_ = nullptr;   // checked_'s bytes, as QuantPart keeps its planes
   int64_t hidden_ = 0;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm_;
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
