@@ -1,6 +1,7 @@
 """Perplexity of a GGUF file on a text, twostep against llama.cpp's `llama-perplexity`, computed the
-way llama-perplexity does: the text's tokens (with BOS) cut into chunks of --ctx tokens, each chunk's
-first token replaced by BOS, and only the second half of each chunk scored.
+way llama-perplexity does: the text's tokens (with BOS where the vocabulary adds one) cut into chunks
+of --ctx tokens, each chunk's first token replaced by BOS where the vocabulary adds one, and only the
+second half of each chunk scored.
 
     .venv/bin/python benchmarks/perplexity.py FILE.gguf TEXT [--ctx 512] [--chunks N] [--threads 2]
 
@@ -41,8 +42,7 @@ def twostep_perplexity(path: str, text: str, ctx: int, chunks: int | None, threa
               kv_cache_memory="512MiB", max_model_len=ctx + 1, cpu_int8_activations="all" if int8_activations else "decode", **extra)
     engine = llm.engine
     tokens = engine.tokenizer.encode(text, add_special_tokens=True)
-    bos = engine.model_config.bos_token_id if hasattr(engine.model_config, "bos_token_id") else None
-    bos = bos if bos is not None else engine.generation_config.get("bos_token_id")
+    bos = chunk_start_token(engine)
     n = len(tokens) // ctx if chunks is None else min(chunks, len(tokens) // ctx)
     prompts = []
     for i in range(n):
@@ -61,6 +61,16 @@ def twostep_perplexity(path: str, text: str, ctx: int, chunks: int | None, threa
             nll -= out.prompt_logprobs[j][ids[j]].logprob
             count += 1
     return math.exp(nll / count), n, elapsed
+
+
+def chunk_start_token(engine) -> int | None:
+    """BOS where the tokenizer adds one to a text (GGUF: tokenizer.ggml.add_bos_token), else None:
+    llama-perplexity writes BOS over each chunk's first token only where its vocabulary adds BOS
+    (llama_vocab_get_add_bos); a Qwen2 file names a BOS id but does not add it."""
+    bos = engine.model_config.bos_token_id if hasattr(engine.model_config, "bos_token_id") else None
+    bos = bos if bos is not None else engine.generation_config.get("bos_token_id")
+    adds = engine.tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+    return bos if bos is not None and adds else None
 
 
 def llama_cpp_perplexity(binary: str, path: str, text_file: str, ctx: int, chunks: int | None,

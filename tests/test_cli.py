@@ -31,6 +31,18 @@ def test_generate_chat_and_bad_values(tiny_model_dir, capsys):
     assert main(["generate", "--model", "/no/such/model.gguf", "hi"]) == 2
 
 
+def test_env_names_the_cpu_the_default_dtype_and_the_kernel_paths(capsys):
+    from twostep.kernels.cpu_features import cpu_flags
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    assert f"default dtype: {'bfloat16' if native else 'float32'}, as this CPU" in out
+    assert "instruction sets:" in out and "quantized products:" in out and "one-call decode stack:" in out
+    if "avx2" in cpu_flags():
+        assert "float32 inputs through the AVX2 path" in out
+
+
 def test_installed_command_runs(tiny_model_dir):
     exe = Path(sys.executable).parent / "twostep"
     if not exe.exists():

@@ -177,7 +177,9 @@ def _serve_parser(sub) -> None:
                         "for templates without tools), llama3_json (Llama 3.1/3.2), mistral, pythonic "
                         "(Llama 3.2/4)")
     p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 when this many requests are already waiting")
+                   help="sequences (prompts x n) the server queues beyond those it runs: one request "
+                        "asking for more gets 400, one arriving at a full queue 503 with Retry-After "
+                        "(default: 4 x --max-num-seqs)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
@@ -339,6 +341,16 @@ def spec_summary(stats) -> str:
             f"per position {stats.accepted_per_position}")
 
 
+def run_env() -> int:
+    import torch
+
+    from twostep.platforms import get_platform
+    from twostep.platforms.cpu.report import describe
+
+    print("\n".join(describe(get_platform(torch.device("cpu")))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twostep", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -350,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     _proxy_parser(sub)
     sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU now (else on first use)")
+    sub.add_parser("env", help="this CPU's instruction sets, the default dtype and why, and which kernel "
+                               "paths run here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("twostep").setLevel(args.log_level.upper())
@@ -366,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_proxy(args)
         if args.command == "build-kernels":
             return run_build_kernels()
+        if args.command == "env":
+            return run_env()
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

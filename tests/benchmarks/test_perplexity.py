@@ -40,3 +40,17 @@ def test_perplexity_matches_transformers_on_the_same_chunks():
             nll -= logprobs[j - 1, chunk[j]].item()
             count += 1
     assert math.isclose(ours, math.exp(nll / count), rel_tol=1e-4)
+
+
+def test_bos_over_each_chunk_only_where_the_vocabulary_adds_it():
+    """llama-perplexity writes BOS over a chunk's first token only where the vocabulary adds BOS
+    (a Llama file); a Qwen2 file names a BOS id (151643) but adds none, so its chunks keep their text."""
+    from types import SimpleNamespace
+
+    def engine(adds_bos: bool):
+        tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [7, 64] if adds_bos else [64])
+        return SimpleNamespace(model_config=SimpleNamespace(bos_token_id=7), generation_config={},
+                               tokenizer=tokenizer)
+
+    assert perplexity.chunk_start_token(engine(True)) == 7
+    assert perplexity.chunk_start_token(engine(False)) is None

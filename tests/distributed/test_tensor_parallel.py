@@ -265,3 +265,28 @@ def test_ranks_started_from_outside_as_torchrun_does(tiny_model_dir, tmp_path):
     finally:
         server.kill()
         worker.kill()
+
+
+def test_a_second_tensor_parallel_llm_in_one_process(tiny_model_dir):
+    """A notebook or a script comparing two settings: LLM(tensor_parallel_size=2), del, another one.
+    The first's workers and torch.distributed group go with it (dropped, shut down, or closed by
+    its with-block), and each gives the same tokens; two alive at once is refused by name."""
+    from twostep import LLM
+
+    folder, prompts = str(tiny_model_dir("llama")), random_prompts([5, 17], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    first = LLM(folder, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB")
+    want, workers = tokens(first), list(first.llm_engine.tp_group.procs)
+    with pytest.raises(RuntimeError, match="another tensor-parallel engine in this process"):
+        LLM(folder, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB")
+    del first                                       # no shutdown(): dropping it is enough
+    second = LLM(folder, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB")
+    assert not any(p.is_alive() for p in workers)   # the first's workers are gone
+    assert tokens(second) == want
+    second.shutdown()
+    with LLM(folder, tensor_parallel_size=2, dtype="float32", kv_cache_memory="8MiB") as third:
+        assert tokens(third) == want

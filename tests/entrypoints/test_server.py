@@ -791,6 +791,18 @@ def test_prompt_and_max_tokens_must_fit_max_model_len(server):
     assert r.status_code == 200          # max_tokens unset: up to max_model_len
 
 
+def test_a_default_server_bounds_what_one_request_queues(server):
+    """No --max-queued-requests: the limit is 4 x --max-num-seqs (64), never unbounded."""
+    body = {"model": MODEL, "max_tokens": 1, "prompt": ["hi"] * 200, "n": 128}
+    r = httpx.post(server.url(C), json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "n"
+    assert "25600 sequences (200 prompts x n 128)" in error["message"] and "at most 256" in error["message"]
+    r = httpx.post(server.url(C), json={**body, "prompt": ["hi"] * 2, "n": 128}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 256
+
+
 def test_one_request_cannot_queue_more_than_the_queue_holds(limited_server):
     for body in ({"prompt": ["hi"] * 3}, {"prompt": "hi", "n": 3}, {"prompt": ["hi"] * 2, "n": 2}):
         r = httpx.post(limited_server.url(C), json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)

@@ -5,6 +5,8 @@ chunks, speculative verification and prefix caching; proof that it really takes 
 and that where it cannot apply (8-bit KV, the reference attention backend) the layers run."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -56,6 +58,21 @@ def outputs(engine, prompts=PROMPTS, params=PARAMS):
 def layer_by_layer(engine: LLMEngine) -> LLMEngine:
     engine.model.fused_decode = None
     return engine
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_float32_models_decode_steps_take_the_stack_on_any_cpu(tiny_model_dir, quantization):
+    """float32 is the default dtype wherever the CPU has no bf16 hardware (an AVX2-only EPYC, an Ice
+    Lake Xeon): its steps must take the stack there, not only on the CPUs where bf16 is the default
+    (float32 weights through at::linear, bf16-valued ones through the AVX2 or plain C++ product,
+    quantized ones through the quantized kernel's build for this CPU)."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the kernels")
+    engine = make(tiny_model_dir("llama"), dtype="float32", quantization=quantization)
+    assert engine.model.fused_decode is not None
+    counted = CountedStack(engine)
+    outputs(engine, PROMPTS[:2])
+    assert counted.taken >= PARAMS.max_tokens - 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -1,6 +1,8 @@
 """Tensor parallelism's processes: rank 0 is the engine (scheduler, sampler, its own shard); ranks
 1..N-1 are worker processes (multiprocessing spawn) that hold their shard and cache and run the steps
-rank 0 broadcasts to them. One torch.distributed group joins them: gloo on CPU, NCCL on CUDA.
+rank 0 broadcasts to them. One torch.distributed group joins them: gloo on CPU, NCCL on CUDA. It is
+the process's default group, so one engine at a time holds it; shutdown(), dropping the engine, or
+the interpreter's exit frees it for the next.
 
 Per step rank 0 broadcasts the step's inputs once (torch.distributed.broadcast_object_list: token
 ids, positions, the common attention metadata, the blocks to zero, the rows that need logits); every
@@ -23,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
 import signal
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +99,10 @@ class TPGroup:
     def __init__(self, spec: WorkerSpec, world_size: int, cores: list[int]) -> None:
         self.world_size, self.timeout_s = world_size, spec.timeout_s
         self.procs: list[multiprocessing.Process] = []
+        _claim_default_group(self)
+        # stops the workers and frees the group when shutdown() is called, when the engine is
+        # dropped without it, or at interpreter exit: never a reference to self
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
         if launched_rank(world_size) is not None:
             self._join_launched(spec)
             return
@@ -168,20 +176,47 @@ class TPGroup:
 
     def shutdown(self) -> None:
         """Tell the workers to stop; whatever does not stop in time is killed. No orphans."""
-        if dist.is_initialized():
-            if all(p.is_alive() for p in self.procs):
-                try:
-                    dist.broadcast_object_list([None], src=0)
-                except RuntimeError:
-                    pass
-            dist.destroy_process_group()
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(deadline - time.monotonic(), 0.1))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        self.procs = []
+        global _owner
+        self._finalizer()
+        if _owner is not None and _owner() is self:
+            _owner = None
+
+
+# torch.distributed has one default group a process, and the TPGroup that formed it (weakly: an
+# engine dropped without shutdown() must not keep it from being freed)
+_owner: weakref.ref | None = None
+
+
+def _claim_default_group(group: TPGroup) -> None:
+    """Make `group` the owner of the process's default group, freeing one that a dropped engine left."""
+    global _owner
+    if _owner is not None and _owner() is not None:
+        gc.collect()            # a dropped engine may wait in a reference cycle: its finalizer frees it
+    if _owner is not None and _owner() is not None:
+        raise RuntimeError("another tensor-parallel engine in this process holds torch.distributed's "
+                           "group: shut it down first (LLM.shutdown(), `with LLM(...)`, or del)")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed's default group is already initialized in this process "
+                           "(by other code): tensor parallelism needs it")
+    _owner = weakref.ref(group)
+
+
+def _stop(procs: list[multiprocessing.Process]) -> None:
+    """Tell the workers to stop and free the group; whatever does not stop in time is killed."""
+    if dist.is_initialized():
+        if all(p.is_alive() for p in procs):
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except RuntimeError:
+                pass
+        dist.destroy_process_group()
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.1))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    procs.clear()
 
 
 def _with_rank(spec: WorkerSpec, rank: int, world_size: int, cores: list[int]) -> WorkerSpec:

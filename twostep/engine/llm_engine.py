@@ -52,6 +52,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.platform = get_platform(resolve_device(config.device), config.cpu)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
+        if config.dtype == "auto":
+            logger.info("dtype auto: %s, as %s", str(self.dtype).removeprefix("torch."),
+                        self.platform.default_dtype_reason())
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed),
                           argmax=self.platform.custom_op("first_argmax", torch.float32))
         model_spec = ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,

@@ -18,6 +18,8 @@ import platform
 import time
 from pathlib import Path
 
+from twostep.kernels.cpu_features import cpu_flags, zen5_or_later
+
 logger = logging.getLogger(__name__)
 
 # Vectorise the float reductions without -ffast-math's finite-math assumption (scores use -inf).
@@ -30,13 +32,8 @@ _OPENMP = "-fopenmp"
 @functools.lru_cache(maxsize=None)
 def cpu_tag() -> str:
     """A short name for this CPU's instruction-set features (the flags line of /proc/cpuinfo)."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags += platform.processor()
-    return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
 
 
 def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
@@ -168,18 +165,6 @@ def elementwise():
     return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))
 
 
-@functools.lru_cache(maxsize=None)
-def _zen5_or_later() -> bool:
-    """An AMD Zen 5 or later: vendor AuthenticAMD, cpu family 26 and up in /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            first = f.read().split("\n\n", 1)[0]         # the first processor's fields
-        fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
-        return fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) >= 26
-    except (OSError, ValueError):
-        return False
-
-
 def wide_dot_flags() -> tuple[str, ...]:
     """-DTWOSTEP_WIDE_DOT where the small-row int8 product's 512-bit steps were measured faster than
     its 256-bit ones: an AMD Zen 5 or later, whose cores run 512-bit vectors at full width
@@ -187,7 +172,7 @@ def wide_dot_flags() -> tuple[str, ...]:
     Intel's AVX-512 cores are not measured: both keep the 256-bit steps. Zen 5 laptop parts, said to
     split 512-bit vectors as Zen 4 does, take the 512-bit steps too (not measured: the same sums
     either way)."""
-    return ("-DTWOSTEP_WIDE_DOT",) if _zen5_or_later() else ()
+    return ("-DTWOSTEP_WIDE_DOT",) if zen5_or_later() else ()
 
 
 def prefetch_flags() -> tuple[str, ...]:
@@ -195,7 +180,7 @@ def prefetch_flags() -> tuple[str, ...]:
     kPrefetchAhead): 4 KB on a Zen 5 or later, whose faster memory it keeps busier (the whole
     Qwen-shape decode step 1.05-1.06x the 2 KB where memory ran fast, 1.00x where slow); 2 KB, what
     a Zen 4 measured best, elsewhere. The same sums either way."""
-    return ("-DTWOSTEP_PREFETCH_AHEAD=4096",) if _zen5_or_later() else ()
+    return ("-DTWOSTEP_PREFETCH_AHEAD=4096",) if zen5_or_later() else ()
 
 
 # float sums in the order the source writes them: the int8 product's paths for 1, 8 and more rows

@@ -67,8 +67,14 @@ def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBa
     """The model's decode stack, or None where a kernel it needs is missing here (then every step
     runs the layers one by one). An 8-bit cache has neither the paged kernel nor the one-call write."""
     kernel = platform.decode_step_kernel()
-    if (kernel is None or model.tp.world_size > 1 or not isinstance(backend.decode, PagedDecode)
-            or backend.write_values is None or any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)):
+    why_not = ("its kernel is not built here" if kernel is None else
+               "tensor parallelism" if model.tp.world_size > 1 else
+               "the attention backend is not the paged decode kernel" if not isinstance(backend.decode, PagedDecode) else
+               "the KV cache has no one-call write (an 8-bit cache)" if backend.write_values is None else
+               "an elementwise kernel is not built here" if any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)
+               else None)
+    if why_not is not None:
+        logger.info("decode steps run layer by layer, not as one call: %s", why_not)
         return None
     try:
         return _build(model, kernel, backend, dtype)
@@ -88,6 +94,8 @@ def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDe
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             fused = linear.method.fused(linear, kernel, dtype)
             if fused is None:
+                logger.info("decode steps run layer by layer, not as one call: %s weights have no "
+                            "matrix-vector kernel for %s here", linear.method.name, dtype)
                 return None
             linears.append(fused[0])
             if fused[1] is not None:

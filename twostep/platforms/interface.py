@@ -19,6 +19,10 @@ class Platform:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
 
+    def default_dtype_reason(self) -> str:
+        """Why default_dtype() is what it is, for the start-up log and `twostep env`."""
+        return "the device's default"
+
     def linear_method(self, dtype: torch.dtype):
         """A LinearMethod (layers/linear.py) for unquantized weights of this dtype, or None: F.linear."""
         return None

@@ -73,7 +73,7 @@ class ServerConfig:
 
     model_name: str
     chat_template: str | None = None             # --chat-template: instead of the model's
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = None        # None: QUEUED_PER_RUNNING x the engine's max_num_seqs
     request_timeout: float | None = None
     api_key: str | None = None
     metrics_need_key: bool = False               # /metrics behind the API key too
@@ -108,7 +108,15 @@ class ServerState:
         return self.engine.engine.tokenizer
 
 
+# A default server queues this many sequences per one it runs (--max-num-seqs) and answers 503 with
+# Retry-After past that, as a server behind a load balancer should: never an unbounded queue that one
+# request (prompts x n) can fill.
+QUEUED_PER_RUNNING = 4
+
+
 def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    if config.max_queued_requests is None:
+        config = dataclasses.replace(config, max_queued_requests=QUEUED_PER_RUNNING * llm_engine.config.max_num_seqs)
     model_name = config.model_name
     metrics = ServerMetrics(model_name)
 
@@ -817,7 +825,7 @@ def _check_characters(state: ServerState, num_chars: int, field: str) -> None:
 def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
     """One request may not queue more sequences (prompts x n) than the whole queue holds."""
     limit = state.config.max_queued_requests
-    if limit is not None and num_prompts * n > limit:
+    if num_prompts * n > limit:
         raise APIError(400, f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
                             f"n {n}); the server queues at most {limit} (--max-queued-requests)", "n")
 

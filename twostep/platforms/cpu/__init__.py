@@ -1,4 +1,4 @@
-"""The CPU platform: bf16 by default where oneDNN computes it natively; oneDNN pre-packed bf16
+"""The CPU platform: bf16 by default where the CPU computes it in hardware, else float32; oneDNN pre-packed bf16
 linears with a matrix-vector kernel for 1-3 rows (linear.py), a float32 model's bf16-valued weights
 kept in bf16 (bf16_weights.py), quantized weights read packed
 (quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from twostep import kernels
+from twostep.kernels.cpu_features import cpu_flags
 from twostep.config.engine import CpuOptions
 from twostep.platforms.cpu.bf16_weights import Bf16WeightsLinearMethod
 from twostep.platforms.cpu.elementwise import elementwise_op
@@ -33,9 +34,16 @@ class CpuPlatform(Platform):
         self.arena = HugePageArena() if options.huge_pages and HugePageArena.available() else None
 
     def default_dtype(self) -> torch.dtype:
-        """bfloat16 where oneDNN computes it natively, else float32 (never float16 on CPU, whose
+        """bfloat16 where the CPU computes it in hardware, else float32 (never float16 on CPU, whose
         matmuls fall back to a scalar path). See docs/architecture.md for the measurement."""
         return torch.bfloat16 if has_native_bf16() else torch.float32
+
+    def default_dtype_reason(self) -> str:
+        found = sorted(NATIVE_BF16_FLAGS & cpu_flags())
+        if found:
+            return f"this CPU computes bf16 in hardware ({', '.join(found)})"
+        return ("this CPU has no " + " or ".join(sorted(NATIVE_BF16_FLAGS)) + ": bf16 matmuls would be "
+                "emulated; bf16 weights stay bf16 in memory, widened as they are read")
 
     def linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | Bf16WeightsLinearMethod | None:
         if dtype not in self._linear_methods:
@@ -93,8 +101,12 @@ class CpuPlatform(Platform):
         return kernels.decode_step()
 
 
+# bf16 arithmetic in hardware: AVX512-BF16's dot products (Zen 4 and later, Cooper Lake, Sapphire
+# Rapids) or AMX's bf16 tiles. oneDNN also "supports" bf16 on any AVX-512 CPU (Skylake, Ice Lake) by
+# emulating it, several times slower than its float32 matmul: not native.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
 def has_native_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether this CPU's flags name an instruction that computes bf16 (NATIVE_BF16_FLAGS)."""
+    return bool(NATIVE_BF16_FLAGS & cpu_flags())

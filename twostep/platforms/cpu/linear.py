@@ -65,7 +65,8 @@ class PackedLinearMethod:
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 on a CPU whose oneDNN computes bf16 natively, and the private ops behave."""
+    """bf16 on a CPU where oneDNN runs bf16 (in hardware, or emulated on AVX-512 without it: asked
+    for with --dtype bfloat16, packed is still oneDNN's faster way), and the private ops behave."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
     try:
