@@ -722,27 +722,30 @@ def test_f32_gemm_product(qtype, n, k, rows):
 
 
 def test_f32_gemm_is_the_prefill_product():
-    """Where torch's float brgemm runs (oneDNN's: the AVX2 builds here), a float32 prompt's rows
+    """Where torch's float brgemm runs (oneDNN's, AVX2 and AVX-512 builds), a float32 prompt's rows
     against the panel layout take gemm_f32 past the crossovers (not the dequantized tiles): one
     quant_gemm_f32 call per part, no dequantize_rows; the tiles give the same product. Each part
     has its own code width's crossover (8-bit codes keep their passes longer)."""
     kernel = f32_gemm_kernel()
     method = QuantizedLinearMethod(kernel)
-    if not method.f32_gemm:
-        pytest.skip("AVX-512 builds keep the tiles for float32 rows (gemm_f32 is measured on AVX2)")
+    assert method.f32_gemm
     parts = [pack_gguf(random_blocks(q, n, 256, seed=n), q, n, 256) for q, n in ((QType.Q4_K, 64), (QType.Q8_0, 16))]
     weight = method.prepare(QuantizedWeight.stack(parts))
-    four, eight = F32_GEMM_GEMV_MAX_ROWS[4], F32_GEMM_GEMV_MAX_ROWS[8]
-    assert four < eight
+    four, eight = (method.part_gemv_max_rows(p, torch.float32) for p in weight.parts)
+    if kernel.wide_pass():      # AVX-512: the 8-row pass keeps its 32 rows, then gemm_f32 for every width
+        assert four == eight == GEMV_MAX_ROWS
+    else:                       # AVX2: the measured crossovers
+        assert (four, eight) == (F32_GEMM_GEMV_MAX_ROWS[4], F32_GEMM_GEMV_MAX_ROWS[8]) and four < eight
     x = torch.randn(eight + 1, 256)
     with torch.profiler.profile() as prof:
         got = method.matmul(weight, x)
     names = [e.name for e in prof.events()]
     assert names.count("twostep::quant_gemm_f32") == 2 and "twostep::quant_dequantize_rows" not in names
-    with torch.profiler.profile() as prof:      # between the crossovers: the 4-bit part's gemm_f32, the 8-bit's passes
-        method.matmul(weight, x[:four + 1])
-    names = [e.name for e in prof.events()]
-    assert names.count("twostep::quant_gemm_f32") == 1 and names.count("twostep::quant_gemv") == 1
+    if four < eight:
+        with torch.profiler.profile() as prof:      # between the crossovers: the 4-bit part's gemm_f32, the 8-bit's passes
+            method.matmul(weight, x[:four + 1])
+        names = [e.name for e in prof.events()]
+        assert names.count("twostep::quant_gemm_f32") == 1 and names.count("twostep::quant_gemv") == 1
     with torch.profiler.profile() as prof:      # up to the crossover: each part's passes in one call
         method.matmul(weight, x[:four])
     names = [e.name for e in prof.events()]

@@ -12,8 +12,8 @@ a time into a buffer in its L2 cache, in the layout oneDNN's brgemm micro-kernel
 multiplies every row against them, at the rate of oneDNN's product on pre-packed bf16 weights
 (0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
 linear.py). Float32 activations (what `auto` picks on CPUs without native bf16) take the kernel's
-gemm_f32 the same way where torch's float brgemm runs (oneDNN's) on AVX2 builds (AVX-512 ones keep
-the tiles: not measured there), from 9 rows: 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
+gemm_f32 the same way where torch's float brgemm runs (oneDNN's; on AVX-512 builds past the passes'
+32 rows, the crossover not measured there), on AVX2 builds from 9 rows: 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
 ~85% of the cores' float32 peak on an AVX2-only Zen 1 (1.6-2.1x the dequantized tiles at 64 rows,
 1.1-1.3x at 512; float32 math, where the passes below it round activations to int16). Other dtypes
 and layouts dequantize the weight a tile of rows at a time into the model's dtype and multiply with
@@ -92,9 +92,9 @@ class QuantizedLinearMethod:
         self.wide_pass = kernel.wide_pass()     # the build's 8-row pass: more rows in passes (below)
         self.panel_call_rows = kernel.panel_call_rows()   # rows one call of the panel layout's passes takes
         self.bf16_gemm = kernel.has_bf16_gemm()   # bf16 rows x the panel layout through brgemm
-        # float32 rows x the panel layout through brgemm: measured on AVX2 (Zen 1) only, so builds
-        # with the 8-row pass (AVX-512) keep their passes and tiles for float32
-        self.f32_gemm = kernel.has_f32_gemm() and not self.wide_pass
+        # float32 rows x the panel layout through brgemm, past the passes' rows (in place of the
+        # dequantized tiles, which make the weights' trip through memory twice)
+        self.f32_gemm = kernel.has_f32_gemm()
         where = {"off": "", "decode": f", int8 activations in decode batches from {self.int8_rows} rows",
                  "all": f", int8 activations from {self.int8_rows} rows"}[self.int8_mode]
         self.name = f"quantized ({kernel.path()} kernel{where})"
@@ -251,7 +251,9 @@ class QuantizedLinearMethod:
         """The most rows of `dtype` that take passes of the matrix-vector product rather than the
         matrix-matrix product (the measured crossovers above); onednn as in _takes_bf16_gemm."""
         if self._takes_f32_gemm(part, dtype, onednn):
-            return F32_GEMM_GEMV_MAX_ROWS[part.fmt.bits]
+            # the crossovers were measured on AVX2; the 8-row pass of AVX-512 builds keeps the rows
+            # it took before gemm_f32 (the same as GEMV_MAX_ROWS) until measured there
+            return GEMV_MAX_ROWS if self.wide_pass else F32_GEMM_GEMV_MAX_ROWS[part.fmt.bits]
         if dtype == torch.float32 or not self.wide_pass or not part.panels:
             return GEMV_MAX_ROWS
         if self._takes_bf16_gemm(part, dtype, onednn):
