@@ -803,6 +803,13 @@ def test_a_default_server_bounds_what_one_request_queues(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 256
 
 
+def test_a_queue_bound_below_one_is_refused_at_start_up():
+    from twostep.entrypoints.openai.server import ServerConfig
+
+    with pytest.raises(ValueError, match="--max-queued-requests must be at least 1"):
+        ServerConfig("tiny", max_queued_requests=0)
+
+
 def test_one_request_cannot_queue_more_than_the_queue_holds(limited_server):
     for body in ({"prompt": ["hi"] * 3}, {"prompt": "hi", "n": 3}, {"prompt": ["hi"] * 2, "n": 2}):
         r = httpx.post(limited_server.url(C), json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)

@@ -20,7 +20,9 @@ class LLM:
     max_model_len, quantization, gpu_memory_utilization and the other EngineConfig fields;
     trust_remote_code (twostep never runs a checkpoint's code: its own decoder covers the
     architectures it lists, any other is refused by name), enforce_eager (twostep always runs
-    eagerly), and tensor_parallel_size (worker processes on torch.distributed)."""
+    eagerly), and tensor_parallel_size (worker processes on torch.distributed: released by
+    shutdown(), the end of a with-block, dropping the LLM, or the interpreter's exit, so another
+    tensor-parallel LLM can follow in the same process)."""
 
     def __init__(self, model: str | None = None, *, trust_remote_code: bool = False,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, **engine_args) -> None:

@@ -85,6 +85,8 @@ class ServerConfig:
     tool_call_parser: str | None = None          # --tool-call-parser: hermes, llama3_json, mistral, pythonic
 
     def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be at least 1; got {self.max_queued_requests}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                              f"({', '.join(sorted(TOOL_PARSERS))})")
