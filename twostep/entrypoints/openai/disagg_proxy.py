@@ -45,7 +45,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 CLIENT_GONE = 499            # what we "answer" a client that has already left (nginx's code)
 
-# The server's error shape (twostep.entrypoints.openai.server.error_response); not imported from
+# The server's error shape (twostep.entrypoints.openai.errors.error_response); not imported from
 # there, as that would load the engine into the proxy.
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
