@@ -8,118 +8,36 @@ import sys
 from pathlib import Path
 
 from twostep import __version__
-from twostep.config import QUANTIZATION_METHODS, EngineConfig
-from twostep.config.engine import INT8_ACTIVATION_MODES, canonical_dtype
-from twostep.config.kv_cache_dtype import canonical_kv_dtype
+from twostep.config import EngineConfig, SpeculativeConfig
+from twostep.config.options import add_options, options_from
 from twostep.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    p.add_argument("--model", default=None,
-                   help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default=d.dtype, type=canonical_dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="also fp32/float, bf16, fp16/half")
-    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="weights: default keeps the checkpoint's format (a GGUF file's quantized types "
-                        "stay packed); none: dequantize a GGUF at load; int8 (per output channel) / int4 "
-                        "(groups of 32): quantize a float checkpoint at load")
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help='KV cache size, e.g. "2GiB" (default: '
-                   f"{d.kv_cache_memory_fraction * 100:.0f}%% of free memory, capped at what can be used)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching,
-                   help="reuse the KV blocks of shared prompt prefixes (default: on)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, type=canonical_kv_dtype,
-                   choices=["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto = the model's dtype; 8-bit formats hold ~2x the tokens "
-                        "(fp8 = fp8_e4m3, as in vLLM)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's: the fraction of the device's memory (CPU: the machine's) for the weights "
-                        "and the KV cache together; the cache gets what the loaded weights leave")
-    p.add_argument("--tokenizer", default=None, help="a tokenizer (HF folder or hub id) other than the model's")
-    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
-                   help="priority: requests with a lower priority value are admitted first and preempted last")
-    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="the most logprobs / prompt_logprobs one request may ask for")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--trace", default=None, metavar="FILE.json",
-                   help="write a per-step trace (Chrome trace-event JSON, opens in Perfetto)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "reference", "cpu_paged"],
-                   help="auto: the C++ paged decode kernel on CPU where it builds, else PyTorch (reference)")
-    p.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=d.cpu_gemv,
-                   help="CPU: batch-1 linears through the C++ matrix-vector kernel: in bf16 it keeps a "
-                        "row-major copy of the layer weights beside oneDNN's packed one; in float32 the weights "
-                        "that hold only bf16 values stay in bf16, half the bytes (default: on)")
-    p.add_argument("--cpu-int8-activations", nargs="?", const="all", default=d.cpu_int8_activations,
-                   choices=INT8_ACTIVATION_MODES,
-                   help="quantized weights on CPU: activations rounded to "
-                        "int8 per block of 32 as llama.cpp rounds them, for its speed at its precision. decode "
-                        "(default): in decode steps, one user's too, any dtype; all (the flag alone): prompts too; off: "
-                        "never, the 16-bit activations (the float product within 2**-16)")
-    p.add_argument("--cpu-huge-pages", action=argparse.BooleanOptionalAction, default=d.cpu_huge_pages,
-                   help="weights a decode step streams copied at load into memory advised for transparent huge "
-                        "pages (2 MiB), where the OS gives them on request (default: on)")
-    p.add_argument("--no-cpu-int8-activations", dest="cpu_int8_activations", action="store_const", const="off",
-                   help="the same as --cpu-int8-activations off")
-    spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON",
-                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-                           'or \'{"method": "draft_model", "model": "path", "num_speculative_tokens": 4}\'')
-    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
-                      help="short for the JSON's method (the flags below override its keys)")
-    spec.add_argument("--speculative-model", default=None, help="draft model (method draft_model)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (k)")
-    spec.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
-    spec.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
-    tp = p.add_argument_group("tensor parallelism")
-    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                    help="split the model over this many processes (torch.distributed: gloo on CPU, NCCL "
-                         "on GPUs); this process is rank 0, the others are started here")
-    tp.add_argument("--distributed-init-method", default=None, metavar="URL",
-                    help="torch.distributed's rendezvous, e.g. tcp://127.0.0.1:29500 (default: "
-                         "$MASTER_ADDR:$MASTER_PORT when set, else a free local port)")
-    tp.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s, metavar="S",
-                    help="a rank that does not answer within this many seconds ends the engine")
-    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                   help='prefill/decode disaggregation (vLLM\'s keys), e.g. \'{"kv_connector": "ZmqConnector", '
-                        '"kv_role": "kv_producer", "kv_port": 14579}\' on the prefill instance and '
-                        '\'{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer"}\' on the decode one '
-                        "(see `twostep proxy`)")
+    """A flag for each EngineConfig option, and the --speculative-* short forms of its speculative
+    config's keys (twostep/config/options.py; docs/usage.md lists them)."""
+    add_options(p, EngineConfig)
+    add_options(p, SpeculativeConfig, dest_prefix=SPECULATIVE_PREFIX)
+
+
+SPECULATIVE_PREFIX = "speculative."     # the --speculative-* flags' dests, apart from the engine's
 
 
 def speculative_config_from(args: argparse.Namespace) -> dict | None:
     """--speculative-config's JSON with the short flags laid over it; None when none is given."""
-    from twostep.config import SpeculativeConfig
-
     base = SpeculativeConfig.parse(args.speculative_config)
     config = {} if base is None else {k: getattr(base, k) for k in base.__slots__}
-    flags = {"method": args.speculative_method, "model": args.speculative_model,
-             "num_speculative_tokens": args.num_speculative_tokens,
-             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    config |= {k: v for k, v in flags.items() if v is not None}
+    config |= options_from(args, SpeculativeConfig, SPECULATIVE_PREFIX)
     return config or None
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
-        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-        tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy,
-        num_threads=args.num_threads, speculative_config=speculative_config_from(args),
-        attention_backend=args.attention_backend, cpu_gemv=args.cpu_gemv,
-        cpu_int8_activations=args.cpu_int8_activations, cpu_huge_pages=args.cpu_huge_pages,
-        kv_transfer_config=args.kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_init_method=args.distributed_init_method, distributed_timeout_s=args.distributed_timeout,
-    )
+    return EngineConfig(**{**options_from(args, EngineConfig), "speculative_config": speculative_config_from(args)})
+
+
+def add_trace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write a per-step trace (Chrome trace-event JSON, opens in Perfetto)")
 
 
 def _generate_parser(sub) -> None:
@@ -136,6 +54,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    add_trace_arg(p)
     add_engine_args(p)
 
 
@@ -184,6 +103,7 @@ def _serve_parser(sub) -> None:
                    help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    add_trace_arg(p)
     add_engine_args(p)
 
 
@@ -253,7 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
 
         backend = "nccl" if args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()) else "gloo"
-        return run_launched_worker(args.tensor_parallel_size, backend, args.distributed_timeout)
+        return run_launched_worker(args.tensor_parallel_size, backend, args.distributed_timeout_s)
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

@@ -7,6 +7,7 @@ import torch
 
 from twostep.config.kv_cache_dtype import canonical_kv_dtype, kv_format
 from twostep.config.kv_transfer import KVTransferConfig
+from twostep.config.options import option
 from twostep.config.speculative import SpeculativeConfig
 
 # --quantization (vLLM's flag): kept here with the other choices the config checks
@@ -49,44 +50,78 @@ class CpuOptions:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None               # folder, .gguf file or hub id; None -> packaged default
-    dtype: str = "auto"                    # auto | float32 | bfloat16 | float16
-    # Weights: None keeps the checkpoint's format (GGUF types stay packed); "none" dequantizes a
-    # GGUF file at load; "int8" / "int4" quantize a float checkpoint's linears at load.
-    quantization: str | None = None
-    device: str = "auto"                   # auto | cpu | cuda[:N]
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None       # default: the model's max_position_embeddings
-    kv_cache_memory: str | int | None = None   # e.g. "2GiB"; default: a fraction of free memory
-    kv_cache_memory_fraction: float = 0.25     # of free memory, when kv_cache_memory is unset
-    num_kv_blocks: int | None = None       # exact block count, overriding both (tests, experiments)
-    enable_prefix_caching: bool = True     # reuse KV blocks of shared prompt prefixes
-    kv_cache_dtype: str = "auto"           # auto (= model dtype) | bfloat16 | float16 | float32 | int8 | fp8_e4m3 | fp8_e5m2
-    attention_backend: str = "auto"        # auto (C++ paged decode kernel on CPU) | reference | cpu_paged
-    cpu_prepack_weights: bool = True       # bf16 on CPU: oneDNN pre-packed linears (bit-identical)
-    cpu_gemv: bool = True                  # CpuOptions.gemv
-    # quantized weights on CPU (from 1 row; a row-layout part from 8): int8 activations as llama.cpp rounds them
-    # (faster, noisier): "decode" in decode batches, "all" also prompts, "off"; True / False: all / off
-    cpu_int8_activations: str | bool = "decode"
-    cpu_huge_pages: bool = True            # decode's weights in transparent huge pages (2 MiB), where the OS gives them
-    seed: int = 0                          # for requests without their own seed
-    max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask
-    max_n: int = 128                       # the most completions one request may ask for
-    num_threads: int | None = None         # torch intra-op threads on CPU
-    # Speculative decoding: a SpeculativeConfig, its dict or JSON text (--speculative-config).
-    speculative_config: SpeculativeConfig | dict | str | None = None
-    # vLLM's: the fraction of the device's (CPU: the machine's) memory for weights + KV cache
-    gpu_memory_utilization: float | None = None
-    tokenizer: str | None = None           # a tokenizer folder other than the model's own
-    scheduling_policy: str = "fcfs"        # fcfs | priority (lower priority value first, vLLM's rule)
-    # Prefill/decode disaggregation: a KVTransferConfig, its dict or JSON text (--kv-transfer-config).
-    kv_transfer_config: KVTransferConfig | dict | str | None = None
-    # Tensor parallelism: ranks (processes) one model is split over; rank 0 is this process.
-    tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None   # e.g. tcp://10.0.0.1:29500; default $MASTER_ADDR:$MASTER_PORT or a free local port
-    distributed_timeout_s: float = 60.0          # a rank that does not answer within it ends the engine
+    """The engine's options (vLLM's names where the concept is the same)."""
+
+    model: str | None = option(None, "HF folder, .gguf file or hub id (default: the packaged "
+                               "SmolLM2-135M-Instruct GGUF)")
+    dtype: str = option("auto", "the weights' and activations' dtype; auto: bfloat16 where the CPU computes "
+                        "it in hardware (avx512_bf16, amx_bf16) or the GPU supports it, else float32 (CPU) or "
+                        "float16 (GPU); also fp32/float, bf16, fp16/half",
+                        type=canonical_dtype, choices=("auto", *DTYPES))
+    quantization: str | None = option(None, "weights: unset keeps the checkpoint's format (a GGUF file's "
+                                      "quantized types stay packed); none: dequantize a GGUF at load; int8 "
+                                      "(per output channel) / int4 (groups of 32): quantize a float checkpoint "
+                                      "at load", short="-q", choices=QUANTIZATION_METHODS)
+    device: str = option("auto", "auto, cpu or cuda[:N]")
+    block_size: int = option(16, "tokens per KV block")
+    max_num_seqs: int = option(64, "sequences a step runs at most")
+    max_num_batched_tokens: int = option(2048, "tokens a step computes at most (longer prompts are "
+                                         "prefilled in chunks)")
+    max_model_len: int | None = option(None, "the longest context (default: the model's, or what the KV "
+                                       "cache holds)")
+    kv_cache_memory: str | int | None = option(None, 'KV cache size, e.g. "2GiB" (default: '
+                                               "--kv-cache-memory-fraction of free memory, capped at what "
+                                               "can be used)")
+    kv_cache_memory_fraction: float = option(0.25, "the share of free memory the KV cache takes when "
+                                             "--kv-cache-memory is unset")
+    num_kv_blocks: int | None = option(None, "an exact number of KV blocks, overriding both (tests, "
+                                       "experiments)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto = the model's dtype; 8-bit formats hold "
+                                 "~2x the tokens (fp8 = fp8_e4m3, as in vLLM)", type=canonical_kv_dtype,
+                                 choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"))
+    attention_backend: str = option("auto", "auto: the C++ paged decode kernel on CPU where it builds, "
+                                    "else PyTorch (reference)", choices=("auto", "reference", "cpu_paged"))
+    cpu_prepack_weights: bool = option(True, "bf16 on CPU: linears pre-packed for oneDNN (bit-identical)")
+    cpu_gemv: bool = option(True, "CPU: batch-1 linears through the C++ matrix-vector kernel: in bf16 it "
+                            "keeps a row-major copy of the layer weights beside oneDNN's packed one; in "
+                            "float32 the weights that hold only bf16 values stay in bf16, half the bytes")
+    # True / False from Python: all / off
+    cpu_int8_activations: str | bool = option(
+        "decode", "quantized weights on CPU: activations rounded to int8 per block of 32 as llama.cpp "
+        "rounds them, for its speed at its precision. decode: in decode steps, one user's too, any dtype; "
+        "all (the flag alone): prompts too; off: never, the 16-bit activations (the float product within "
+        "2**-16)", choices=INT8_ACTIVATION_MODES, const="all", negative="off")
+    cpu_huge_pages: bool = option(True, "weights a decode step streams copied at load into memory advised "
+                                  "for transparent huge pages (2 MiB), where the OS gives them on request")
+    seed: int = option(0, "the sampling seed of requests without their own")
+    max_logprobs: int = option(20, "the most logprobs / prompt_logprobs one request may ask for")
+    max_n: int = option(128, "the most completions (n) one request may ask for")
+    num_threads: int | None = option(None, "torch's intra-op threads on CPU (default: all cores)")
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, 'speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "path", '
+        '"num_speculative_tokens": 4}\' (the --speculative-* flags override its keys)',
+        metavar="JSON", group="speculative decoding")
+    gpu_memory_utilization: float | None = option(
+        None, "vLLM's: the fraction of the device's memory (CPU: the machine's) for the weights and the KV "
+        "cache together; the cache gets what the loaded weights leave")
+    tokenizer: str | None = option(None, "a tokenizer (HF folder or hub id) other than the model's")
+    scheduling_policy: str = option("fcfs", "priority: requests with a lower priority value are admitted "
+                                    "first and preempted last", choices=SCHEDULING_POLICIES)
+    kv_transfer_config: KVTransferConfig | dict | str | None = option(
+        None, 'prefill/decode disaggregation (vLLM\'s keys), e.g. \'{"kv_connector": "ZmqConnector", '
+        '"kv_role": "kv_producer", "kv_port": 14579}\' on the prefill instance and \'{"kv_connector": '
+        '"ZmqConnector", "kv_role": "kv_consumer"}\' on the decode one (see `twostep proxy`)', metavar="JSON")
+    tensor_parallel_size: int = option(1, "split the model over this many processes (torch.distributed: "
+                                       "gloo on CPU, NCCL on GPUs); this process is rank 0, the others are "
+                                       "started here", short="-tp", group="tensor parallelism")
+    distributed_init_method: str | None = option(
+        None, "torch.distributed's rendezvous, e.g. tcp://127.0.0.1:29500 (default: $MASTER_ADDR:$MASTER_PORT "
+        "when set, else a free local port)", metavar="URL", group="tensor parallelism")
+    distributed_timeout_s: float = option(60.0, "a rank that does not answer within this many seconds ends "
+                                          "the engine", flag="--distributed-timeout", metavar="S",
+                                          group="tensor parallelism")
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)

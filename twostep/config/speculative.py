@@ -6,19 +6,29 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from twostep.config.options import Option, option
 
 METHODS = ("ngram", "draft_model")
 
 
+_GROUP = "speculative decoding"
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4             # ngram: longest suffix n-gram looked up
-    prompt_lookup_min: int = 2             # ngram: shortest
-    model: str | None = None               # draft_model: folder, .gguf or hub id
-    dtype: str = "auto"                    # draft_model: its dtype (auto = the target's)
+    """Speculative decoding (--speculative-config's keys; each flag overrides its key)."""
+
+    method: str = field(metadata={"option": Option("short for the JSON's method", flag="--speculative-method",
+                                                   choices=METHODS, overlay=True, group=_GROUP)})
+    num_speculative_tokens: int = option(4, "drafts per step (k)", overlay=True, group=_GROUP)
+    prompt_lookup_max: int = option(4, "ngram: the longest suffix n-gram looked up", overlay=True, group=_GROUP)
+    prompt_lookup_min: int = option(2, "ngram: the shortest", overlay=True, group=_GROUP)
+    model: str | None = option(None, "draft_model: the draft model (folder, .gguf or hub id)",
+                               flag="--speculative-model", overlay=True, group=_GROUP)
+    dtype: str = option("auto", "draft_model: its dtype (auto: the target's)", flag="--speculative-dtype",
+                        choices=("auto", "float32", "bfloat16", "float16"), overlay=True, group=_GROUP)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
