@@ -16,7 +16,7 @@ gives medians over --reps and the ratios.
   llama.cpp, on the GGUF (--gguf, default MODEL/model-bf16.gguf): `llama-bench -p N -n 0`
     (prefill), `llama-bench -p 0 -n G -d P` (decode batch 1: tgG after a P-token context),
     `llama-batched-bench -npp P -ntg G -npl B` (decode batch B), all with -t --threads. Binaries
-    from $LLAMA_CPP_BIN_DIR, /work/peers/llama.cpp-build/bin or PATH; with only llama-cpp-python
+    from $LLAMA_CPP_BIN_DIR or PATH; with only llama-cpp-python
     installed, its eval() for prefill and batch-1 decode. Absent: one line says how to install it.
     llama.cpp runs the GGUF in its own type (BF16 from make_qwen_shape.py), whatever --dtype says.
 
@@ -44,9 +44,8 @@ QWEN_SHAPE = "/tmp/twostep-qwen-shape"      # make_qwen_shape.py's default outpu
 GGUF_NAME = "model-bf16.gguf"
 VOCAB = 10000                               # prompt token ids are drawn below this
 LLAMA_CPP_BINS = ("llama-bench", "llama-batched-bench")
-LLAMA_CPP_BUILD_DIR = "/work/peers/llama.cpp-build/bin"
 LLAMA_CPP_HOW = ("build llama-bench and llama-batched-bench from the llama-cpp-python 0.3.36 sdist "
-                 "(README.md, 'Comparing with peers') or set LLAMA_CPP_BIN_DIR to their folder")
+                 "(docs/benchmarking.md) or set LLAMA_CPP_BIN_DIR to their folder")
 HF_HOW = "pip install -r requirements-test.txt"
 
 
@@ -68,7 +67,7 @@ def find_llama_cpp(dirs: list[str | None], search_path: bool = True,
 
 
 def default_llama_cpp_dirs() -> list[str | None]:
-    return [os.environ.get("LLAMA_CPP_BIN_DIR"), LLAMA_CPP_BUILD_DIR]
+    return [os.environ.get("LLAMA_CPP_BIN_DIR")]
 
 
 def parse_llama_bench_json(text: str) -> list[dict]:

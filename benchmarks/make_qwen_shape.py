@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 DEFAULT_OUT = "/tmp/twostep-qwen-shape"
-DEFAULT_LLAMA_CPP_SRC = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
 GGUF_NAME = "model-bf16.gguf"
 NUM_REGULAR_TOKENS = 151643
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 151643.. as in Qwen2
@@ -97,8 +96,8 @@ def write_hf_folder(out: Path, seed: int) -> None:
 def write_gguf(out: Path, llama_cpp_src: Path) -> None:
     script = llama_cpp_src / "convert_hf_to_gguf.py"
     if not script.is_file():
-        sys.exit(f"{script} not found: unpack the llama-cpp-python sdist (README, 'Comparing with "
-                 "peers') or pass --llama-cpp-src")
+        sys.exit(f"{script} not found: unpack the llama-cpp-python sdist (docs/benchmarking.md) and "
+                 "pass its vendor/llama.cpp as --llama-cpp-src or $LLAMA_CPP_SRC")
     tmp = out / (GGUF_NAME + ".part")
     subprocess.run([sys.executable, "-c", _CONVERT, str(script), str(out), "--outtype", "bf16",
                     "--outfile", str(tmp)], check=True)
@@ -109,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC", DEFAULT_LLAMA_CPP_SRC),
+    ap.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"),
                     help="llama.cpp source tree with convert_hf_to_gguf.py")
     ap.add_argument("--no-gguf", action="store_true", help="only the HF folder")
     args = ap.parse_args()
@@ -125,7 +124,7 @@ def main() -> None:
     if (out / GGUF_NAME).is_file():
         print(f"{out / GGUF_NAME}: already there")
     else:
-        write_gguf(out, Path(args.llama_cpp_src))
+        write_gguf(out, Path(args.llama_cpp_src or "."))
         print(f"{out / GGUF_NAME}: written")
 
 

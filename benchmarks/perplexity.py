@@ -9,7 +9,7 @@ twostep's figure comes from prompt logprobs (one request per chunk), through the
 serving (chunks of more than 32 rows: dequantized tiles; --decode-path scores with forwards of at
 most 32 rows, i.e. through the matrix-vector kernel; --int8-activations through the int8 product,
 llama.cpp's own activation precision). llama-perplexity is found as compare.py finds
-llama.cpp's tools ($LLAMA_CPP_BIN_DIR, /work/peers/llama.cpp-build/bin, PATH).
+llama.cpp's tools ($LLAMA_CPP_BIN_DIR, else PATH).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 
 def llama_perplexity_bin() -> str | None:
-    for folder in (os.environ.get("LLAMA_CPP_BIN_DIR"), "/work/peers/llama.cpp-build/bin"):
-        if folder and (Path(folder) / "llama-perplexity").is_file():
-            return str(Path(folder) / "llama-perplexity")
+    folder = os.environ.get("LLAMA_CPP_BIN_DIR")
+    if folder and (Path(folder) / "llama-perplexity").is_file():
+        return str(Path(folder) / "llama-perplexity")
     return shutil.which("llama-perplexity")
 
 
@@ -104,7 +104,7 @@ def main() -> None:
     print(f"twostep:   PPL {ppl:.4f} over {n} chunks of {args.ctx} ({seconds:.1f} s)")
     binary = llama_perplexity_bin()
     if binary is None:
-        print("llama.cpp: llama-perplexity not found (README, 'Comparing with peers')")
+        print("llama.cpp: llama-perplexity not found (docs/benchmarking.md)")
         return
     theirs, cmd = llama_cpp_perplexity(binary, args.gguf, args.text, args.ctx, args.chunks or n, args.threads)
     print(f"llama.cpp: PPL {theirs:.4f}  ({cmd})")

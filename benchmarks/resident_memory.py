@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,10 @@ print(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def llama_bench() -> str | None:
-    for folder in (os.environ.get("LLAMA_CPP_BIN_DIR"), "/work/peers/llama.cpp-build/bin"):
-        if folder and (Path(folder) / "llama-bench").is_file():
-            return str(Path(folder) / "llama-bench")
-    return None
+    folder = os.environ.get("LLAMA_CPP_BIN_DIR")
+    if folder and (Path(folder) / "llama-bench").is_file():
+        return str(Path(folder) / "llama-bench")
+    return shutil.which("llama-bench")
 
 
 def child_peak_kib(cmd: list[str]) -> int:

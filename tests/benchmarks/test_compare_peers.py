@@ -105,7 +105,7 @@ def test_find_llama_cpp_on_path(tmp_path, monkeypatch):
 
 def test_default_dirs_put_the_env_var_first(monkeypatch):
     monkeypatch.setenv("LLAMA_CPP_BIN_DIR", "/somewhere")
-    assert compare.default_llama_cpp_dirs() == ["/somewhere", compare.LLAMA_CPP_BUILD_DIR]
+    assert compare.default_llama_cpp_dirs() == ["/somewhere"]
 
 
 def test_llama_cpp_peer_reports_how_to_install(monkeypatch):
