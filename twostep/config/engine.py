@@ -38,16 +38,6 @@ def canonical_dtype(name: str) -> str:
 INT8_ACTIVATION_MODES = ("off", "decode", "all")
 
 
-@dataclass(frozen=True, slots=True)
-class CpuOptions:
-    """How the CPU platform runs (EngineConfig's cpu_* fields, platforms/cpu)."""
-    prepack_weights: bool = True       # bf16: oneDNN pre-packed linears (bit-identical)
-    gemv: bool = True                  # C++ matrix-vector kernel: bf16 1-3 rows (keeps row-major weights too);
-    #                                    float32: bf16-valued weights kept in bf16 (platforms/cpu/bf16_weights.py)
-    int8_activations: str = "decode"   # quantized weights: where activations are rounded to int8 (off | decode | all)
-    huge_pages: bool = True            # the weights a decode step streams in 2 MiB pages, where the OS gives them
-
-
 @dataclass(slots=True)
 class EngineConfig:
     """The engine's options (vLLM's names where the concept is the same)."""
@@ -153,7 +143,3 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
-
-    @property
-    def cpu(self) -> CpuOptions:
-        return CpuOptions(self.cpu_prepack_weights, self.cpu_gemv, self.cpu_int8_activations, self.cpu_huge_pages)

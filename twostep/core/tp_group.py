@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from twostep.config.engine import CpuOptions
+from twostep.config.engine import EngineConfig
 from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
 from twostep.core.model_runner import StepInputs
 from twostep.distributed.parallel import TensorParallel
@@ -58,7 +58,7 @@ class WorkerSpec:
     model: ModelSpec
     cache: CacheSpec
     device: str
-    cpu: CpuOptions
+    config: EngineConfig            # the engine's options (the platform reads its cpu_* ones)
     backend: str                    # gloo | nccl
     init_method: str
     timeout_s: float
@@ -293,7 +293,7 @@ def _build(rank: int, world_size: int, spec: WorkerSpec):
     if device.type == "cuda":      # one GPU per rank on its machine (untested here: no GPUs)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    platform = get_platform(device, spec.cpu)
+    platform = get_platform(device, spec.config)
     import dataclasses
 
     model = dataclasses.replace(spec.model, platform=platform, tp=TensorParallel(rank, world_size))

@@ -50,7 +50,7 @@ class LLMEngine:
             self._pin_rank0(tp, cores)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.platform = get_platform(resolve_device(config.device), config.cpu)
+        self.platform = get_platform(resolve_device(config.device), config)
         self.device, self.dtype = self.platform.device, resolve_dtype(config.dtype, self.platform)
         if config.dtype == "auto":
             logger.info("dtype auto: %s, as %s", str(self.dtype).removeprefix("torch."),
@@ -110,7 +110,7 @@ class LLMEngine:
         c = self.config
         spec = WorkerSpec(dataclasses.replace(model_spec, platform=None, max_model_len=t.max_model_len),
                           dataclasses.replace(cache_spec, num_blocks=t.kv_plan.num_blocks),
-                          str(self.device), c.cpu,
+                          str(self.device), c,
                           "nccl" if self.device.type == "cuda" else "gloo",
                           c.distributed_init_method or default_init_method(), c.distributed_timeout_s,
                           num_threads=c.num_threads)

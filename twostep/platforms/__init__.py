@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from twostep.config import DTYPES
-from twostep.config.engine import CpuOptions
+from twostep.config.engine import EngineConfig
 from twostep.platforms.cpu import CpuPlatform
 from twostep.platforms.interface import Platform
 
@@ -18,9 +18,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def get_platform(device: torch.device, cpu: CpuOptions = CpuOptions()) -> Platform:
+def get_platform(device: torch.device, config: EngineConfig | None = None) -> Platform:
+    """The platform for device, with the engine's options for it (config's cpu_* fields on CPU)."""
     if device.type == "cpu":
-        return CpuPlatform(device, cpu)
+        return CpuPlatform(device, config or EngineConfig())
     return Platform(device)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from twostep import kernels
 from twostep.kernels.cpu_features import cpu_flags
-from twostep.config.engine import CpuOptions
+from twostep.config.engine import EngineConfig
 from twostep.platforms.cpu.bf16_weights import Bf16WeightsLinearMethod
 from twostep.platforms.cpu.elementwise import elementwise_op
 from twostep.platforms.cpu.huge_pages import HugePageArena, give_back_freed_memory, thp_setting
@@ -26,12 +26,12 @@ from twostep.platforms.interface import Platform
 class CpuPlatform(Platform):
     name = "cpu"
 
-    def __init__(self, device: torch.device, options: CpuOptions = CpuOptions()) -> None:
+    def __init__(self, device: torch.device, config: EngineConfig | None = None) -> None:
         super().__init__(device)
-        self.options = options
+        self.config = config = config or EngineConfig()     # its cpu_* options
         self._linear_methods: dict[torch.dtype, PackedLinearMethod | None] = {}
         # the weights a decode step streams, copied there at load (huge_pages.py)
-        self.arena = HugePageArena() if options.huge_pages and HugePageArena.available() else None
+        self.arena = HugePageArena() if config.cpu_huge_pages and HugePageArena.available() else None
 
     def default_dtype(self) -> torch.dtype:
         """bfloat16 where the CPU computes it in hardware, else float32 (never float16 on CPU, whose
@@ -51,19 +51,19 @@ class CpuPlatform(Platform):
         return self._linear_methods[dtype]
 
     def _make_linear_method(self, dtype: torch.dtype) -> PackedLinearMethod | Bf16WeightsLinearMethod | None:
-        kernel = kernels.linear_bf16() if self.options.gemv else None
+        kernel = kernels.linear_bf16() if self.config.cpu_gemv else None
         if dtype == torch.float32:       # bf16 weights kept in bf16 (bf16_weights.py)
             # on the AVX2 path only: the plain C++ one (for tests) ran 1.7x slower than F.linear on
             # the float32 weights at one row on an x86-64 baseline build
             usable = kernel is not None and kernel.has_float32_path() and kernel.float32_path() == "AVX2"
             return Bf16WeightsLinearMethod(kernel, self.arena) if usable else None
-        if not (self.options.prepack_weights and can_prepack(dtype, self.device)):
+        if not (self.config.cpu_prepack_weights and can_prepack(dtype, self.device)):
             return None
         return PackedLinearMethod(kernel if kernel is not None and kernel.has_bf16_dot() else None, self.arena)
 
     def quantized_linear_method(self) -> QuantizedLinearMethod | None:
         kernel = kernels.quant_linear()
-        return None if kernel is None else QuantizedLinearMethod(kernel, self.options.int8_activations, self.arena)
+        return None if kernel is None else QuantizedLinearMethod(kernel, self.config.cpu_int8_activations, self.arena)
 
     def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.arena is None else self.arena.place(t)
@@ -76,7 +76,7 @@ class CpuPlatform(Platform):
         if placed:
             return (f"{placed / 2**20:,.0f} MiB of weights in memory advised for 2 MiB pages "
                     f"(transparent huge pages: {thp_setting()})")
-        if self.options.huge_pages and not HugePageArena.available():
+        if self.config.cpu_huge_pages and not HugePageArena.available():
             return f"weights in 4 KiB pages (transparent huge pages: {thp_setting()})"
         return None
 
