@@ -1,24 +1,20 @@
 """A decode step's decoder layers as one C++ call (twostep/kernels/decode_step.cpp), where the
-platform has every kernel it needs: the role CUDA graphs play for vLLM's decode, on a CPU. The call
-starts from the step's token ids and positions (the embedding's rows, a quantized table's through
-the kernel's planes_rows, and the rotary tables' rows) and ends with the final norm and, where the
-step wants every row's logits and the lm_head's method fuses (up to its rows), the lm_head and the
-float32 logits. The Python that ran those before and after the call runs with the caches just
-evicted by the step's weight stream (~0.14 ms of a Qwen-shape Q4_0 step after it where memory is
-slow); alternated step by step in one process, the logits in the call 1.007x, the lookups 1.013x.
+platform has every kernel it needs: the role CUDA graphs play for vLLM's decode, on a CPU.
 
-At batch 1 the Python around each layer's ~10 kernel calls (module calls, views, wrappers, the
-attention plan's indirection) cost as much as a third of the step on SmolLM2-135M (30 layers). The
-C++ stack runs the same registered ops in the same order with the same arguments, so its results are
-bit-identical to the layers' (tests/models/test_fused_decode.py checks it in float32 and bf16, with
-and without q/k norms and biases, for quantized, bf16 and float32 weights).
+Why: at batch 1 a step is ~10 kernel calls a layer, and the Python around each (module calls,
+views, wrappers, the attention plan's indirection) cost as much as a third of a small model's step.
+The stack runs the same registered ops in the same order with the same arguments, so its results
+are bit-identical to the layers' (tests/models/test_fused_decode.py checks it for float32, bf16 and
+quantized weights, with and without q/k norms and biases). It starts from the step's token ids and
+positions (the embedding's and rotary tables' rows) and ends with the final norm and, where the
+step wants every row's logits and the lm_head fuses, the float32 logits: the Python that ran those
+ends would run with the caches just evicted by the step's weight stream.
 
-It takes a decode batch (platforms/step_kind.py: every row a generated position; not a prompt's last
-token) with one row per sequence (no drafts to verify), at most `max_rows` rows (the fewest any linear's
-matrix-vector path takes; any number where every quantized part takes the int8 product, which a
-decode batch uses from 1 row in the panel layout), through the attention backend
-it was built for (the paged decode kernel, an unquantized cache) and on one rank. Any other step runs
-the layers one by one: one model, two ways of driving it.
+It takes a decode batch (platforms/step_kind.py: every row a generated position, not a prompt's
+last token) with one row per sequence (no drafts to verify), at most `max_rows` rows (the fewest any
+linear's matrix-vector path takes; any number where every quantized part takes the int8 product),
+through the attention backend it was built for (the paged decode kernel, an unquantized cache) and
+on one rank. Any other step runs the layers one by one: one model, two ways of driving it.
 """
 from __future__ import annotations
 

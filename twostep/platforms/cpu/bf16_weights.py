@@ -10,12 +10,9 @@ keeps its float32 weights and F.linear). Inputs of up to GEMV_MAX_ROWS rows take
 through F.linear (MKL): prefill is compute-bound, and widening a tile costs a read of it. A tied
 embedding shares the narrowed table (layers/embedding.py widens the rows it looks up).
 
-Measured on an AVX2-only EPYC (Zen 1, 2 cores; benchmarks/bench_linear.py --dtype float32 and the
-Qwen2.5-0.5B-shape linears, medians of 7 interleaved rounds): 1 row 1.75x F.linear on the float32
-weights; 16 / 32 / 64 / 128 rows 2.26x / 1.52x / 1.14x / 1.14x (MKL's float32 product is slow at
-few rows here); 512 rows through the tiles 0.91-0.94x F.linear (the widening). The kernel stops at
-64 rows, short of the measured crossover: a margin for CPUs whose float32 GEMM is faster (AVX-512).
-The platform takes this method on the kernel's AVX2 path only (platforms/cpu/__init__.py).
+The kernel stops at 64 rows, short of where widening tiles started to win on an AVX2-only EPYC
+(benchmarks/RESULTS.md): a margin for CPUs whose float32 GEMM is faster. The platform takes this
+method where the kernel's float32 path is AVX2 (the plain C++ one is slower than F.linear).
 """
 from __future__ import annotations
 

@@ -1,44 +1,34 @@
-"""Quantized linears and embeddings on CPU, on twostep/kernels/quant_linear.cpp.
+"""Quantized linears and embeddings on CPU, on twostep/kernels/quant_linear.cpp. Which product a
+call takes, by the rows of its input:
 
-A few rows (decode) take the kernel's matrix-vector product, which streams each packed weight
-block once against activations quantized per block to int16 (the float product of the
-dequantized weights within float rounding) and writes its float32 sums in the activations' dtype.
-Where the kernel has it (the SIMD builds), weights of a multiple of 8 rows (every format) are
-bound in the panel layout (quantization/packed.py): eight rows interleaved, so the product gets
-eight output columns per vector without horizontal sums; the row layout's bytes are dropped.
-More rows (prefill, large decode batches) of bf16 activations against the panel layout take the
-kernel's gemm_bf16 where the CPU has AVX512-BF16 (or AMX): each thread dequantizes 64 weight rows at
-a time into a buffer in its L2 cache, in the layout oneDNN's brgemm micro-kernel multiplies, and
-multiplies every row against them, at the rate of oneDNN's product on pre-packed bf16 weights
-(0.99-1.00x on the Qwen2.5-0.5B-shape linears at 512 rows; a bf16 model's linears, platforms/cpu/
-linear.py). Float32 activations (what `auto` picks on CPUs without native bf16) take the kernel's
-gemm_f32 the same way where torch's float brgemm runs (oneDNN's; on AVX-512 builds past the passes'
-32 rows, the crossover not measured there), on AVX2 builds from 9 rows: 64 weight rows x 1024 weights dequantized to float32 at a time, multiplied at
-~85% of the cores' float32 peak on an AVX2-only Zen 1 (1.6-2.1x the dequantized tiles at 64 rows,
-1.1-1.3x at 512; float32 math, where the passes below it round activations to int16). Other dtypes
-and layouts dequantize the weight a tile of rows at a time into the model's dtype and multiply with
-oneDNN / MKL: the float matmul's rate on unpacked weights, plus the tiles' trip through memory
-(0.77-0.85x of the pre-packed product). An embedding dequantizes only the rows it looks up.
+- **A few rows (decode)**: the matrix-vector passes, which stream each packed weight block once
+  against activations quantized per block to int16 (the float product of the dequantized weights
+  within float rounding). Where the build has it, a weight of a multiple of 8 rows is bound in the
+  panel layout (quantization/packed.py): eight rows interleaved, so a vector holds eight output
+  columns and needs no horizontal sums.
+- **More rows (prefill, large batches)** against the panel layout: bf16 rows through `gemm_bf16`
+  where the CPU computes bf16 (AVX512-BF16 or AMX), float32 rows through `gemm_f32` where torch's
+  float brgemm runs. Each thread dequantizes 64 weight rows at a time into a buffer in its L2 cache,
+  in the layout oneDNN's brgemm multiplies, and runs every row against it: the weights never make a
+  trip through memory in float. Other dtypes and layouts dequantize a tile of rows at a time and
+  multiply with oneDNN / MKL. The crossovers between passes and GEMMs below were measured per build
+  (benchmarks/RESULTS.md); AVX-512 builds keep their 8-row passes up to 32 float32 rows, their
+  crossover with gemm_f32 not measured.
+- An embedding dequantizes only the rows it looks up.
 
-With int8 activations, inputs of the kernel's int8_min_rows() rows or more take its int8 product
-instead, for 4 to 6-bit codes (8-bit too where the CPU has VNNI): activations quantized per block
-of 32 to int8 as llama.cpp quantizes them for all its products. That is any number of rows where
-the weight is in the panel layout (below 8 a small-row kernel: one user's decode at 1.38x the
-int16 passes' rate on a Zen 4 core with VNNI, Q4_0; 1.3-1.9x on an AVX2-only Zen 1 at 1-4 rows, 4 to
-6-bit codes),
-else from 8. On an AVX2 EPYC it is 1.5-2x MKL's float32 GEMM at 512 rows and 2-3.5x the
-matrix-vector passes at 8-64 rows; on a Zen 4 with VNNI 2.0-2.1x the passes at 32 rows
-(benchmarks/RESULTS.md). Each row's sums are the same bits whatever the number of rows beside it. Its rounding (a step of max|x| / 127 per block) is noise
-enough to flip a close top token: with it in the prompt's rows the default SmolLM2 file's answer to
-"What is the capital of France?" starts "L'Étoile" (a 0.08-nat lead of "The" lost), without it
-"The capital of France is Paris." So --cpu-int8-activations chooses where it applies:
+**int8 activations** (--cpu-int8-activations): the int8 product instead, activations quantized per
+block of 32 to int8 as llama.cpp quantizes them, for 4 to 6-bit codes (8-bit too with VNNI: AVX2's
+vpmaddubsw cannot take a whole byte against int8 without a second multiply, which costs what the
+int16 passes cost). From int8_min_rows() rows: 1 in the panel layout (a small-row kernel), else 8.
+Each row's sums are the same bits whatever the rows beside it. Its rounding (a step of max|x| / 127
+per block) is noise enough to flip a close top token: in a prompt's rows it turns the default
+SmolLM2 file's answer to "What is the capital of France?" into "L'Étoile, ...". So the mode says where
+it applies:
   decode (the default): the steps of a decode batch (platforms/step_kind.py: every row one
-    sequence's next generated token or a draft it verifies), one user's included, the lm_head's
-    logits too, whatever the activations' dtype (float32 is what `auto` picks on CPUs without native
-    bf16, where llama.cpp's speed matters as much): decode at llama.cpp's precision, a row's logits
-    in a decode batch the same whatever the batch (the panel layout), so a verified draft's too;
-    a prompt's forward (its last token too) keeps the int16 activations;
-  all: every input from int8_min_rows() rows, prompts and float32 too (the fastest prefill);
+    sequence's next token or a draft it verifies), the lm_head's logits too, in any dtype: decode at
+    llama.cpp's precision and speed, a row's logits the same whatever the batch; a prompt's forward
+    (its last token too) keeps the int16 activations;
+  all: every input from int8_min_rows() rows, prompts too (the fastest prefill);
   off: never.
 """
 from __future__ import annotations
