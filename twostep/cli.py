@@ -245,12 +245,12 @@ def summary_line(out, engine) -> str:
             + (f" | {spec_summary(m.spec_decode)}" if m.spec_decode is not None else ""))
 
 
-def run_build_kernels() -> int:
+def run_build_kernels(with_test_variants: bool = False) -> int:
     """Each kernel built (or found built) for this CPU; one that cannot build is not an error: the
     engine falls back to PyTorch there (linear_bf16's bf16 inputs also need AVX512-BF16)."""
     from twostep.kernels import build_all
 
-    for name, usable in build_all().items():
+    for name, usable in build_all(with_test_variants).items():
         print(f"{name}: {'ready' if usable else 'not available on this machine (PyTorch fallback)'}")
     return 0
 
@@ -281,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     _analyze_parser(sub)
     _bench_parser(sub)
     _proxy_parser(sub)
-    sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU now (else on first use)")
+    p = sub.add_parser("build-kernels", help="compile the C++ kernels for this CPU now (else on first use)")
+    p.add_argument("--test-variants", action="store_true",
+                   help="also the builds the tests check besides the engine's (other instruction sets' paths)")
     sub.add_parser("env", help="this CPU's instruction sets, the default dtype and why, and which kernel "
                                "paths run here")
     args = parser.parse_args(argv)
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "proxy":
             return run_proxy(args)
         if args.command == "build-kernels":
-            return run_build_kernels()
+            return run_build_kernels(args.test_variants)
         if args.command == "env":
             return run_env()
     except (ValueError, OSError) as e:   # bad input or a missing file: a message, not a traceback

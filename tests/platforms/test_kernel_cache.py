@@ -45,3 +45,24 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
         os.utime(lock, (time.time() - age, time.time() - age))
         kernels._clear_stale_lock(name)
         assert lock.exists() == kept
+
+
+def test_the_tests_variants_follow_the_cpus_flags(monkeypatch):
+    """The builds `twostep build-kernels --test-variants` adds: the portable one everywhere, the
+    AVX2-only and AVX-VNNI ones where the native build has other paths, the other dot width with
+    AVX512-VNNI; never one this CPU could not run."""
+    cases = {"avx2 fma": ["quant_linear_portable"],
+             "avx2 fma avx_vnni": ["quant_linear_portable", "quant_linear_avx2"],
+             "avx2 avx512f avx512bw avx512vl avx512_vnni": ["quant_linear_portable", "quant_linear_avx2",
+                                                            "quant_linear_other_dot"],
+             "avx2 avx_vnni avx512f avx512bw avx512vl avx512_vnni": ["quant_linear_portable", "quant_linear_avx2",
+                                                                     "quant_linear_avx_vnni", "quant_linear_other_dot"]}
+    for flags, want in cases.items():
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: frozenset(flags.split()))
+        assert list(kernels.test_variants()) == want
+
+
+def test_build_all_builds_the_engines_kernels_in_parallel_processes():
+    built = kernels.build_all()
+    assert list(built) == list(kernels.ENGINE_KERNELS)
+    assert built == {n: getattr(kernels, n)() is not None for n in kernels.ENGINE_KERNELS}

@@ -1,8 +1,8 @@
 """C++ kernels, compiled on first use with torch's extension tooling (g++ and ninja; the build is
 cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch.
 A build logs a line when it starts and one with its time when it ends (35-50 s each on two cores,
-~3 minutes for quant_linear.cpp); `twostep build-kernels` (run by scripts/setup.sh) builds them all
-ahead of the first run.
+~2 minutes for quant_linear.cpp); `twostep build-kernels` (run by scripts/setup.sh) builds them all
+ahead of the first run, as many at a time as there are cores.
 
 Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
 CPU's feature flags (and a hash of the source, the flags and torch's version): a home folder shared
@@ -135,12 +135,46 @@ def _is_built(name: str) -> bool:
         return False
 
 
-def build_all() -> dict[str, bool]:
-    """Build (or find built) every kernel this CPU can run; kernel name -> usable."""
-    builders = {"elementwise": elementwise, "paged_attention": paged_attention, "quant_linear": quant_linear,
-                "quant_linear_portable": quant_linear_portable, "linear_bf16": linear_bf16,
-                "decode_step": decode_step}
-    return {name: build() is not None for name, build in builders.items()}
+# what the engine runs on this CPU, the longest build first (a pool of builds finishes soonest so)
+ENGINE_KERNELS = ("quant_linear", "paged_attention", "elementwise", "decode_step", "linear_bf16")
+
+
+def test_variants() -> tuple[str, ...]:
+    """The builds the tests check besides the engine's, on this CPU: the portable one everywhere,
+    and the other instruction sets' paths that this CPU can run (tests/quantization)."""
+    flags = cpu_flags()
+    names = ["quant_linear_portable"]
+    if {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
+        names.append("quant_linear_avx2")
+    if {"avx_vnni", "avx512f"} <= flags:
+        names.append("quant_linear_avx_vnni")
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        names.append("quant_linear_other_dot")
+    return tuple(names)
+
+
+def build_all(with_test_variants: bool = False) -> dict[str, bool]:
+    """Build (or find built) every kernel this CPU runs, and the tests' variants if asked, as many
+    at a time as this process has cores (each build is one compiler process); name -> usable."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    names = [*ENGINE_KERNELS, *(test_variants() if with_test_variants else ())]
+    jobs = min(len(names), len(os.sched_getaffinity(0)))
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_log_like, initargs=(logging.getLogger("twostep").getEffectiveLevel(),)) as pool:
+        return dict(zip(names, pool.map(_builds, names)))
+
+
+def _log_like(level: int) -> None:
+    """A build process logs its progress as the parent does."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("twostep").setLevel(level)
+
+
+def _builds(name: str) -> bool:
+    return globals()[name]() is not None
 
 
 @functools.lru_cache(maxsize=None)
