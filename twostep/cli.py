@@ -35,9 +35,11 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{**options_from(args, EngineConfig), "speculative_config": speculative_config_from(args)})
 
 
-def add_trace_arg(p: argparse.ArgumentParser) -> None:
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """What every command that runs the engine takes: --trace, and the engine's options."""
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write a per-step trace (Chrome trace-event JSON, opens in Perfetto)")
+    add_engine_args(p)
 
 
 def _generate_parser(sub) -> None:
@@ -54,8 +56,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    add_trace_arg(p)
-    add_engine_args(p)
+    add_run_args(p)
 
 
 def _serve_parser(sub) -> None:
@@ -103,8 +104,7 @@ def _serve_parser(sub) -> None:
                    help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
-    add_trace_arg(p)
-    add_engine_args(p)
+    add_run_args(p)
 
 
 def _proxy_parser(sub) -> None:
@@ -135,7 +135,7 @@ def _bench_parser(sub) -> None:
     from twostep.bench.cli import add_bench_args
 
     add_bench_args(sub.add_parser("bench", help="benchmark the engine: throughput, latency"),
-                   add_engine_args)
+                   add_run_args)
 
 
 def run_bench(args: argparse.Namespace) -> int:

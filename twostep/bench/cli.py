@@ -8,7 +8,8 @@ from twostep.bench import workloads
 from twostep.config.engine import canonical_dtype
 
 
-def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
+def add_bench_args(p: argparse.ArgumentParser, add_run_args) -> None:
+    """add_run_args(parser): the flags of a command that runs the engine (twostep.cli)."""
     sub = p.add_subparsers(dest="bench", required=True)
     t = sub.add_parser("throughput", help="offline throughput of a whole workload")
     t.add_argument("--dataset", choices=["fixed", "random", "nano-vllm"], default="fixed",
@@ -21,14 +22,14 @@ def add_bench_args(p: argparse.ArgumentParser, add_engine_args) -> None:
     t.add_argument("--random-output-range", default="100:1024", help="with --dataset random")
     t.add_argument("--workload-seed", type=int, default=0)
     t.add_argument("--json", action="store_true")
-    add_engine_args(t)
+    add_run_args(t)
     lat = sub.add_parser("latency", help="batch-1 prefill and decode, measured apart")
     lat.add_argument("--input-lens", default="128,512", help="prompt lengths for prefill")
     lat.add_argument("--output-len", type=int, default=64)
     lat.add_argument("--batch-size", type=int, default=1, help="sequences decoding together")
     lat.add_argument("--reps", type=int, default=3)
     lat.add_argument("--json", action="store_true")
-    add_engine_args(lat)
+    add_run_args(lat)
     from twostep.bench.serve import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="online benchmark of a running OpenAI-compatible server"))
