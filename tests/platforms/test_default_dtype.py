@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import twostep.platforms.cpu as cpu_platform
-from conftest import run_all
+from conftest import cpu_flags as conftest_cpu_flags, run_all
 from twostep import EngineConfig, LLMEngine, SamplingParams
-from twostep.kernels.cpu_features import cpu_flags
 
 ZEN1 = "fpu sse2 avx avx2 fma f16c"
 ICE_LAKE = ZEN1 + " avx512f avx512bw avx512vl avx512_vnni avx512_vbmi2"
@@ -40,9 +39,9 @@ def test_bf16_by_default_only_where_the_cpu_computes_it(monkeypatch, flags, dtyp
         assert "no amx_bf16 or avx512_bf16" in reason
 
 
-def test_the_machines_own_flags_decide(tmp_path):
-    """Without faking: this machine's /proc/cpuinfo."""
-    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+def test_the_machines_own_flags_decide():
+    """Without faking: this machine's flags, as the test reads /proc/cpuinfo itself."""
+    native = bool({"avx512_bf16", "amx_bf16"} & conftest_cpu_flags())
     want = torch.bfloat16 if native else torch.float32
     assert cpu_platform.CpuPlatform(torch.device("cpu")).default_dtype() == want
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _UNSET = object()
 
@@ -53,7 +54,7 @@ def add_options(parser: argparse.ArgumentParser, cls, dest_prefix: str = "") -> 
         names = [flag_of(f, opt), *([opt.short] if opt.short else [])]
         default = None if opt.overlay or f.default is dataclasses.MISSING else f.default
         kw: dict[str, Any] = {"dest": dest, "default": default, "help": opt.help}
-        if isinstance(f.default, bool) and not opt.overlay:
+        if _is_switch(f, opt):
             target.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
             continue
         kw["type"] = opt.type or _value_type(f)
@@ -79,6 +80,11 @@ def options_from(args: argparse.Namespace, cls, dest_prefix: str = "") -> dict[s
     return values
 
 
+def _is_switch(f: dataclasses.Field, opt: Option) -> bool:
+    """A boolean option: --flag / --no-flag."""
+    return isinstance(f.default, bool) and not opt.overlay
+
+
 def _value_type(f: dataclasses.Field) -> Callable[[str], Any]:
     """int or float where the field holds one (by its default, else its annotation), else str."""
     if isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
@@ -95,7 +101,7 @@ def option_reference(*classes) -> str:
         rows = [f"### {cls.__name__}", "", title, "", "| flag | default | |", "|---|---|---|"]
         for f, opt in declared(cls):
             flags = ", ".join(f"`{n}`" for n in (flag_of(f, opt), opt.short) if n)
-            if isinstance(f.default, bool) and not opt.overlay:
+            if _is_switch(f, opt):
                 flags = f"`{flag_of(f, opt)}` / `--no-{flag_of(f, opt)[2:]}`"
             default = "-" if f.default in (None, dataclasses.MISSING) else f"`{f.default}`"
             choices = f" ({', '.join(opt.choices)})" if opt.choices else ""

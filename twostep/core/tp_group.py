@@ -178,7 +178,7 @@ class TPGroup:
         """Tell the workers to stop; whatever does not stop in time is killed. No orphans."""
         global _owner
         self._finalizer()
-        if _owner is not None and _owner() is self:
+        if _live_owner() is self:
             _owner = None
 
 
@@ -187,12 +187,16 @@ class TPGroup:
 _owner: weakref.ref | None = None
 
 
+def _live_owner() -> TPGroup | None:
+    return None if _owner is None else _owner()
+
+
 def _claim_default_group(group: TPGroup) -> None:
     """Make `group` the owner of the process's default group, freeing one that a dropped engine left."""
     global _owner
-    if _owner is not None and _owner() is not None:
+    if _live_owner() is not None:
         gc.collect()            # a dropped engine may wait in a reference cycle: its finalizer frees it
-    if _owner is not None and _owner() is not None:
+    if _live_owner() is not None:
         raise RuntimeError("another tensor-parallel engine in this process holds torch.distributed's "
                            "group: shut it down first (LLM.shutdown(), `with LLM(...)`, or del)")
     if dist.is_initialized():

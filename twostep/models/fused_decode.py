@@ -63,12 +63,7 @@ def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBa
     """The model's decode stack, or None where a kernel it needs is missing here (then every step
     runs the layers one by one). An 8-bit cache has neither the paged kernel nor the one-call write."""
     kernel = platform.decode_step_kernel()
-    why_not = ("its kernel is not built here" if kernel is None else
-               "tensor parallelism" if model.tp.world_size > 1 else
-               "the attention backend is not the paged decode kernel" if not isinstance(backend.decode, PagedDecode) else
-               "the KV cache has no one-call write (an 8-bit cache)" if backend.write_values is None else
-               "an elementwise kernel is not built here" if any(platform.custom_op(n, dtype) is None for n in FUSED_OPS)
-               else None)
+    why_not = _why_not_fused(model, platform, dtype, backend, kernel)
     if why_not is not None:
         logger.info("decode steps run layer by layer, not as one call: %s", why_not)
         return None
@@ -77,6 +72,21 @@ def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBa
     except RuntimeError as e:       # an op it calls is not registered (its kernel did not load)
         logger.warning("decode stack unavailable (%s); decode steps run layer by layer", str(e).splitlines()[0])
         return None
+
+
+def _why_not_fused(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend, kernel) -> str | None:
+    """Why this model's decode steps cannot run as one call here, or None where they can."""
+    if kernel is None:
+        return "its kernel is not built here"
+    if model.tp.world_size > 1:
+        return "tensor parallelism"
+    if not isinstance(backend.decode, PagedDecode):
+        return "the attention backend is not the paged decode kernel"
+    if backend.write_values is None:
+        return "the KV cache has no one-call write (an 8-bit cache)"
+    if any(platform.custom_op(n, dtype) is None for n in FUSED_OPS):
+        return "an elementwise kernel is not built here"
+    return None
 
 
 def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDecode | None:

@@ -21,7 +21,7 @@ def resolve_device(name: str) -> torch.device:
 def get_platform(device: torch.device, config: EngineConfig | None = None) -> Platform:
     """The platform for device, with the engine's options for it (config's cpu_* fields on CPU)."""
     if device.type == "cpu":
-        return CpuPlatform(device, config or EngineConfig())
+        return CpuPlatform(device, config)
     return Platform(device)
 
 

@@ -18,12 +18,12 @@ def describe(platform) -> list[str]:
     flags = cpu_flags()
     present = [f for f in FEATURES if f in flags]
     absent = [f for f in FEATURES if f not in flags]
-    lines = [f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores for this process, "
-             f"torch {torch.__version__} with {torch.get_num_threads()} threads",
-             f"instruction sets: {' '.join(present) or 'none of ' + ' '.join(FEATURES)}"
-             + (f" (not: {' '.join(absent)})" if absent else ""),
-             f"default dtype: {str(platform.default_dtype()).removeprefix('torch.')}, as "
-             f"{platform.default_dtype_reason()}",
+    lines = [(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores for this process, "
+              f"torch {torch.__version__} with {torch.get_num_threads()} threads"),
+             (f"instruction sets: {' '.join(present) or 'none of ' + ' '.join(FEATURES)}"
+              + (f" (not: {' '.join(absent)})" if absent else "")),
+             (f"default dtype: {str(platform.default_dtype()).removeprefix('torch.')}, as "
+              f"{platform.default_dtype_reason()}"),
              f"transparent huge pages: {thp_setting()}",
              "kernels (built for this CPU on first use; `twostep build-kernels` builds them all):"]
     return lines + [f"  {line}" for line in _kernel_lines()]
