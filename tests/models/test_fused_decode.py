@@ -1,4 +1,4 @@
-"""The one-call decode stack (models/fused_decode.py, twostep/kernels/decode_step.cpp) against the
+"""The one-call decode stack (models/fused_decode.py, twostep/kernels/csrc/decode_step.cpp) against the
 same engine running every step through the Python layers: bit-identical tokens and logprobs, for
 float32, bf16 and quantized weights, with q/k norms (qwen3) and biases (qwen2), beside prompt
 chunks, speculative verification and prefix caching; proof that it really takes the decode steps,

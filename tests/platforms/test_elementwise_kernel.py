@@ -1,5 +1,5 @@
 """RMSNorm, add + RMSNorm, SiLU-and-multiply, rotary and the K/V write as one C++ call each
-(twostep/kernels/elementwise.cpp) against the PyTorch code they replace, and the engine's use of them."""
+(twostep/kernels/csrc/elementwise.cpp) against the PyTorch code they replace, and the engine's use of them."""
 from __future__ import annotations
 
 import pytest

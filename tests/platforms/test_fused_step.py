@@ -1,5 +1,5 @@
 """The fused per-layer ops of a step (one C++ call each for RMSNorm after the residual add, rotary
-in place, SiLU-and-multiply and the K/V write: twostep/kernels/elementwise.cpp) against the same
+in place, SiLU-and-multiply and the K/V write: twostep/kernels/csrc/elementwise.cpp) against the same
 engine on the PyTorch ops they replace, and proof that the fused path is the one that runs."""
 from __future__ import annotations
 

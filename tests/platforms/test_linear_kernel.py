@@ -1,4 +1,4 @@
-"""The C++ bf16 matrix-vector kernel (twostep/kernels/linear_bf16.cpp) against float32 math and
+"""The C++ bf16 matrix-vector kernel (twostep/kernels/csrc/linear_bf16.cpp) against float32 math and
 oneDNN, its routing in PackedLinear, and the engine's bf16 decode with and without it."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The quantized-weight kernel (twostep/kernels/quant_linear.cpp) and the packed layout against
+"""The quantized-weight kernel (twostep/kernels/csrc/quant/) and the packed layout against
 the gguf package's own dequantizer, then float32 math: every GGUF type twostep keeps packed and
 the formats --quantization makes, on edge shapes, through the SIMD build and the plain C++ one."""
 from __future__ import annotations

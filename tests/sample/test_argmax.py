@@ -1,4 +1,4 @@
-"""first_argmax (sample/argmax.py) and the CPU platform's one-call kernel for it (kernels/elementwise.cpp,
+"""first_argmax (sample/argmax.py) and the CPU platform's one-call kernel for it (kernels/csrc/elementwise.cpp,
 float32 logits) give torch.argmax's index for every input: ties, NaN, -inf, vocabularies that are and
 are not a multiple of a block or a vector, one row and many."""
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""C++ kernels, compiled on first use with torch's extension tooling (g++ and ninja; the build is
-cached under ~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch.
-A build logs a line when it starts and one with its time when it ends (35-50 s each on two cores,
-~2 minutes for quant_linear.cpp); `twostep build-kernels` (run by scripts/setup.sh) builds them all
-ahead of the first run, as many at a time as there are cores.
+"""C++ kernels (sources in csrc/, docs/kernels.md), compiled on first use with torch's extension
+tooling (g++ and ninja, a module's sources in parallel; the build is cached under
+~/.cache/torch_extensions). Where they cannot be built, callers fall back to PyTorch. A build logs a
+line when it starts and one with its time when it ends; `twostep build-kernels` (run by
+scripts/setup.sh) builds them all ahead of the first run, as many at a time as there are cores.
+KERNELS below declares each module: its sources, its flags, and for the tests' variants the CPUs
+that build them.
 
 Each build targets the CPU it runs on (-march=native), and its cache entry is named after that
-CPU's feature flags (and a hash of the source, the flags and torch's version): a home folder shared
+CPU's feature flags (and a hash of the sources, the flags and torch's version): a home folder shared
 by machines of different kinds (an AVX-512 Zen 4 EPYC, an AVX2-only EPYC, a Xeon with AMX) never runs
 code built for another's instructions. A build already in the cache is imported directly, without
 torch's build tooling (a warm start's kernels load in ~5 ms, not ~0.2 s)."""
@@ -16,6 +18,8 @@ import hashlib
 import logging
 import platform
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from twostep.kernels.cpu_features import cpu_flags, zen5_or_later
@@ -36,18 +40,32 @@ def cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
 
 
-def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
+SOURCES = Path(__file__).with_name("csrc")
+
+
+def _digest(sources: tuple[str, ...], cflags: tuple[str, ...], torch_version: str) -> str:
+    """A hash of what a build depends on: its sources, the headers beside them and the shared ones
+    (csrc/*.h), its flags, torch's version."""
+    headers = {h for s in sources for h in (SOURCES / s).parent.glob("*.h")} | set(SOURCES.glob("*.h"))
+    digest = hashlib.sha1()
+    for path in sorted({*(SOURCES / s for s in sources), *headers}):
+        digest.update(path.read_bytes())
+    digest.update(" ".join((*_CFLAGS, *cflags, torch_version)).encode())
+    return digest.hexdigest()[:8]
+
+
+def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = ()):
     """Build (or reuse the cached build of) one kernel; None when it cannot be built here. A compiler
     without OpenMP gets a second, single-threaded try."""
-    path = str(Path(__file__).with_name(source))
+    paths = [str(SOURCES / s) for s in sources]
+    source = name.removeprefix("twostep_")
     error = None
     import torch
 
-    # the name carries the CPU's flags and a hash of the source, the flags and torch's version: a
+    # the name carries the CPU's flags and a hash of the sources, the flags and torch's version: a
     # build is found by name alone, and a changed kernel (or torch) gets a new one (so the log below
     # knows when a build is coming)
-    digest = hashlib.sha1(Path(path).read_bytes() + " ".join((*_CFLAGS, *cflags, torch.__version__)).encode())
-    name = f"{name}_{cpu_tag()}_{digest.hexdigest()[:8]}"
+    name = f"{name}_{cpu_tag()}_{_digest(sources, cflags, torch.__version__)}"
     variants = (("", [_OPENMP]), ("_serial", []))
     for suffix, _ in variants:
         module = _import_built(name + suffix)
@@ -62,7 +80,7 @@ def _load(name: str, source: str, cflags: tuple[str, ...] = ()):
             if fresh:
                 logger.info("compiling the C++ kernel %s for this CPU (once; up to a few minutes) ...", source)
             start = time.monotonic()
-            module = load(name + suffix, [path], extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
+            module = load(name + suffix, paths, extra_cflags=[*_CFLAGS, *flags, *cflags], verbose=False)
             if fresh:
                 logger.info("compiled %s in %.0f s", source, time.monotonic() - start)
             return module
@@ -135,27 +153,84 @@ def _is_built(name: str) -> bool:
         return False
 
 
-# what the engine runs on this CPU, the longest build first (a pool of builds finishes soonest so)
-ENGINE_KERNELS = ("quant_linear", "paged_attention", "elementwise", "decode_step", "linear_bf16")
+@dataclass(frozen=True)
+class Kernel:
+    """One C++ extension module: its sources under csrc/ (compiled in parallel, as ninja runs them),
+    the flags it adds to _CFLAGS (a function: some depend on this CPU), and, for a variant only the
+    tests build, on which CPUs (by their /proc/cpuinfo flags) it is worth building."""
+
+    module: str
+    sources: tuple[str, ...]
+    flags: Callable[[], tuple[str, ...]] = tuple
+    test_on: Callable[[set[str]], bool] | None = None
+
+
+def wide_dot_flags() -> tuple[str, ...]:
+    """-DTWOSTEP_WIDE_DOT where the small-row int8 product's 512-bit steps are the faster ones: an
+    AMD Zen 5 or later, whose cores run 512-bit vectors at full width (csrc/quant/gemv_int8.cpp). A
+    Zen 4 runs them as two halves, and Intel's AVX-512 cores are not measured: both keep the 256-bit
+    steps. The same sums either way."""
+    return ("-DTWOSTEP_WIDE_DOT",) if zen5_or_later() else ()
+
+
+def prefetch_flags() -> tuple[str, ...]:
+    """How far ahead the quantized products ask for their weights (csrc/quant/codes.h,
+    kPrefetchAhead): 4 KB on a Zen 5 or later, whose faster memory it keeps busier; 2 KB elsewhere.
+    The same sums either way."""
+    return ("-DTWOSTEP_PREFETCH_AHEAD=4096",) if zen5_or_later() else ()
+
+
+# float sums in the order the source writes them: the int8 product's paths for 1, 8 and more rows
+# add the same terms in the same order, and must get the same bits (a decode row's logits do not
+# depend on its batch), which a compiler free to reassociate (-fassociative-math) does not keep.
+# Hidden symbols: the library's variants load side by side in one process.
+_QUANT_FLAGS = ("-fno-associative-math", "-fvisibility=hidden")
+QUANT_SOURCES = tuple(f"quant/{unit}.cpp" for unit in (
+    "gemv_int8", "gemm_int8", "gemv_panels", "gemv_rows", "gemm_bf16", "gemm_f32", "activations",
+    "dequantize", "pack", "ops", "register"))   # the longest compiles first
+
+
+def _other_dot_flags() -> tuple[str, ...]:
+    return (*(() if wide_dot_flags() else ("-DTWOSTEP_WIDE_DOT",)), *prefetch_flags(),
+            "-DTWOSTEP_VARIANT=twostep_other_dot", *_QUANT_FLAGS)
+
+
+KERNELS: dict[str, Kernel] = {
+    # what the engine runs on this CPU, the longest build first (a pool of builds finishes soonest so)
+    "quant_linear": Kernel("twostep_quant_linear", QUANT_SOURCES,
+                           lambda: (*_QUANT_FLAGS, *wide_dot_flags(), *prefetch_flags())),
+    "paged_attention": Kernel("twostep_paged_attention", ("paged_attention.cpp",)),
+    # -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do
+    "elementwise": Kernel("twostep_elementwise", ("elementwise.cpp",),
+                          lambda: ("-ffp-contract=off", "-fsigned-zeros")),
+    "decode_step": Kernel("twostep_decode_step", ("decode_step.cpp",)),
+    "linear_bf16": Kernel("twostep_linear_bf16", ("linear_bf16.cpp",)),
+    # the tests' builds of the quantized products: the portable one (no SIMD) everywhere, and the
+    # other instruction sets' paths that this CPU can run, each in its own op namespace
+    "quant_linear_portable": Kernel("twostep_quant_linear_portable", QUANT_SOURCES,
+                                    lambda: ("-DTWOSTEP_FORCE_SCALAR", *_QUANT_FLAGS), lambda flags: True),
+    "quant_linear_avx2": Kernel("twostep_quant_linear_avx2", QUANT_SOURCES,
+                                lambda: ("-mno-avx512f", "-mno-avxvnni", "-DTWOSTEP_VARIANT=twostep_avx2", *_QUANT_FLAGS),
+                                lambda flags: {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags),
+    "quant_linear_avx_vnni": Kernel("twostep_quant_linear_avx_vnni", QUANT_SOURCES,
+                                    lambda: ("-mno-avx512f", "-DTWOSTEP_VARIANT=twostep_avx_vnni", *_QUANT_FLAGS),
+                                    lambda flags: {"avx_vnni", "avx512f"} <= flags),
+    "quant_linear_other_dot": Kernel("twostep_quant_linear_other_dot", QUANT_SOURCES, _other_dot_flags,
+                                     lambda flags: {"avx512_vnni", "avx512bw"} <= flags),
+}
+ENGINE_KERNELS = tuple(name for name, kernel in KERNELS.items() if kernel.test_on is None)
 
 
 def test_variants() -> tuple[str, ...]:
-    """The builds the tests check besides the engine's, on this CPU: the portable one everywhere,
-    and the other instruction sets' paths that this CPU can run (tests/quantization)."""
+    """The builds the tests check besides the engine's, on this CPU (tests/quantization)."""
     flags = cpu_flags()
-    names = ["quant_linear_portable"]
-    if {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
-        names.append("quant_linear_avx2")
-    if {"avx_vnni", "avx512f"} <= flags:
-        names.append("quant_linear_avx_vnni")
-    if {"avx512_vnni", "avx512bw"} <= flags:
-        names.append("quant_linear_other_dot")
-    return tuple(names)
+    return tuple(name for name, kernel in KERNELS.items() if kernel.test_on is not None and kernel.test_on(flags))
 
 
 def build_all(with_test_variants: bool = False) -> dict[str, bool]:
     """Build (or find built) every kernel this CPU runs, and the tests' variants if asked, as many
-    at a time as this process has cores (each build is one compiler process); name -> usable."""
+    at a time as this process has cores (each build's sources compile in parallel too); name ->
+    usable."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -174,102 +249,67 @@ def _log_like(level: int) -> None:
 
 
 def _builds(name: str) -> bool:
-    return globals()[name]() is not None
+    return built(name) is not None
 
 
 @functools.lru_cache(maxsize=None)
+def built(name: str):
+    """The extension module of KERNELS[name], built for this CPU (or found built); None where it
+    cannot be built here."""
+    kernel = KERNELS[name]
+    return _load(kernel.module, kernel.sources, kernel.flags())
+
+
 def paged_attention():
     """The paged decode-attention extension module, or None when it cannot be built here."""
-    return _load("twostep_paged_attention", "paged_attention.cpp")
+    return built("paged_attention")
 
 
-@functools.lru_cache(maxsize=None)
 def linear_bf16():
     """The matrix-vector extension module for bf16 weights, or None where it cannot be built. Its
     bf16 inputs need AVX512-BF16 (has_bf16_dot()), its float32 inputs AVX2 or plain C++
-    (has_float32_path()): the build targets the machine it runs on."""
-    return _load("twostep_linear_bf16", "linear_bf16.cpp")
+    (has_float32_path())."""
+    return built("linear_bf16")
 
 
-@functools.lru_cache(maxsize=None)
 def elementwise():
-    """RMSNorm and rotary embedding as one call each, or None when it cannot be built here.
-    -ffp-contract=off: no fused multiply-add, so products and sums round as torch's ops do (and
-    signed zeros kept)."""
-    return _load("twostep_elementwise", "elementwise.cpp", ("-ffp-contract=off", "-fsigned-zeros"))
+    """RMSNorm, rotary embedding, SiLU-and-multiply, the K/V cache write and argmax as one call
+    each, or None when it cannot be built here."""
+    return built("elementwise")
 
 
-def wide_dot_flags() -> tuple[str, ...]:
-    """-DTWOSTEP_WIDE_DOT where the small-row int8 product's 512-bit steps were measured faster than
-    its 256-bit ones: an AMD Zen 5 or later, whose cores run 512-bit vectors at full width
-    (quant_linear.cpp, kWideDot; measured on an EPYC, model 2). A Zen 4 runs them as two halves, and
-    Intel's AVX-512 cores are not measured: both keep the 256-bit steps. Zen 5 laptop parts, said to
-    split 512-bit vectors as Zen 4 does, take the 512-bit steps too (not measured: the same sums
-    either way)."""
-    return ("-DTWOSTEP_WIDE_DOT",) if zen5_or_later() else ()
-
-
-def prefetch_flags() -> tuple[str, ...]:
-    """How far ahead the quantized products ask for their weights (quant_linear.cpp,
-    kPrefetchAhead): 4 KB on a Zen 5 or later, whose faster memory it keeps busier (the whole
-    Qwen-shape decode step 1.05-1.06x the 2 KB where memory ran fast, 1.00x where slow); 2 KB, what
-    a Zen 4 measured best, elsewhere. The same sums either way."""
-    return ("-DTWOSTEP_PREFETCH_AHEAD=4096",) if zen5_or_later() else ()
-
-
-# float sums in the order the source writes them: the int8 product's paths for 1, 8 and more rows
-# add the same terms in the same order, and must get the same bits (a decode row's logits do not
-# depend on its batch), which a compiler free to reassociate (-fassociative-math) does not keep
-_IN_ORDER = ("-fno-associative-math",)
-
-
-@functools.lru_cache(maxsize=None)
 def quant_linear():
-    """Matrix-vector products and row dequantisation on twostep's packed quantized layout
-    (AVX-VNNI / AVX512-VNNI / AVX2, else plain C++), or None when it cannot be built here."""
-    return _load("twostep_quant_linear", "quant_linear.cpp", (*_IN_ORDER, *wide_dot_flags(), *prefetch_flags()))
+    """Products and row dequantisation on twostep's packed quantized layouts (AVX-VNNI /
+    AVX512-VNNI / AVX2, else plain C++), or None when it cannot be built here."""
+    return built("quant_linear")
 
 
-@functools.lru_cache(maxsize=None)
 def quant_linear_portable():
-    """The same kernel built without its SIMD paths: the fallback for CPUs without AVX2, built
-    everywhere by the tests so that path is checked on every machine."""
-    return _load("twostep_quant_linear_portable", "quant_linear.cpp", ("-DTWOSTEP_FORCE_SCALAR", *_IN_ORDER))
+    """The quantized products built without their SIMD paths: the fallback for CPUs without AVX2,
+    built everywhere by the tests so that path is checked on every machine."""
+    return built("quant_linear_portable")
 
 
-@functools.lru_cache(maxsize=None)
 def quant_linear_avx2():
-    """The same kernel built for AVX2 alone (no AVX-512, no VNNI), in its own op namespace: the
-    int8 product's AVX2 paths (vpmaddubsw, their own activation layout), which the native build of a
-    CPU with VNNI does not compile, built by the tests on such CPUs so those paths are checked there
-    too (on an AVX2-only CPU the native build is this one)."""
-    return _load("twostep_quant_linear_avx2", "quant_linear.cpp",
-                 ("-mno-avx512f", "-mno-avxvnni", "-DTWOSTEP_VARIANT=twostep_avx2", *_IN_ORDER))
+    """The quantized products for AVX2 alone (no AVX-512, no VNNI): the int8 product's vpmaddubsw
+    paths, which a CPU with VNNI does not compile natively, checked there by the tests."""
+    return built("quant_linear_avx2")
 
 
-@functools.lru_cache(maxsize=None)
 def quant_linear_avx_vnni():
-    """The same kernel built for AVX2 with AVX-VNNI (256-bit vpdpbusd / vpdpwssd) and no AVX-512,
-    in its own op namespace: what the native build is on the CPUs with AVX-VNNI but no AVX-512
-    (Intel's client cores since Alder Lake), built by the tests on CPUs that have both (a Zen 5, a
-    Sapphire Rapids) so those paths are checked there too."""
-    return _load("twostep_quant_linear_avx_vnni", "quant_linear.cpp",
-                 ("-mno-avx512f", "-DTWOSTEP_VARIANT=twostep_avx_vnni", *_IN_ORDER))
+    """The quantized products for AVX2 with AVX-VNNI and no AVX-512 (Intel's client cores since
+    Alder Lake), checked by the tests on CPUs that have both."""
+    return built("quant_linear_avx_vnni")
 
 
-@functools.lru_cache(maxsize=None)
 def quant_linear_other_dot():
-    """The same kernel with the other step width of the small-row int8 product (TWOSTEP_WIDE_DOT
-    toggled against the native build), in its own op namespace: built by the tests on AVX512-VNNI
-    CPUs, so the 256 and 512-bit steps are both checked there (elsewhere it is the native build)."""
-    toggled = () if wide_dot_flags() else ("-DTWOSTEP_WIDE_DOT",)
-    return _load("twostep_quant_linear_other_dot", "quant_linear.cpp",
-                 (*toggled, *prefetch_flags(), "-DTWOSTEP_VARIANT=twostep_other_dot", *_IN_ORDER))
+    """The quantized products with the other step width of the small-row int8 product
+    (TWOSTEP_WIDE_DOT toggled), checked by the tests on AVX512-VNNI CPUs."""
+    return built("quant_linear_other_dot")
 
 
-@functools.lru_cache(maxsize=None)
 def decode_step():
     """A decode step's decoder layers in one call, composed of the other kernels' registered ops
     (models/fused_decode.py), or None when it cannot be built here. Load the kernels it calls first:
     it finds their ops in torch's dispatcher when a stack is built."""
-    return _load("twostep_decode_step", "decode_step.cpp")
+    return built("decode_step")

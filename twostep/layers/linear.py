@@ -28,7 +28,7 @@ class LinearMethod(Protocol):
         ...
 
     def fused(self, layer: "Linear", kernel, dtype: torch.dtype) -> tuple[object, int | None] | None:
-        """The layer as kernel.FusedLinear (twostep/kernels/decode_step.cpp) computing what apply()
+        """The layer as kernel.FusedLinear (twostep/kernels/csrc/decode_step.cpp) computing what apply()
         does in a decode step of `dtype` activations, and the most rows it may take that way (None:
         any); None where it cannot."""
         ...

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as one C++ call (twostep/kernels/decode_step.cpp), where the
+"""A decode step's decoder layers as one C++ call (twostep/kernels/csrc/decode_step.cpp), where the
 platform has every kernel it needs: the role CUDA graphs play for vLLM's decode, on a CPU.
 
 Why: at batch 1 a step is ~10 kernel calls a layer, and the Python around each (module calls,

@@ -64,6 +64,6 @@ class Platform:
         return None
 
     def decode_step_kernel(self):
-        """A module with DecoderStack and FusedLinear (twostep/kernels/decode_step.cpp) running a
+        """A module with DecoderStack and FusedLinear (twostep/kernels/csrc/decode_step.cpp) running a
         decode step's layers in one call (models/fused_decode.py), or None: layer by layer."""
         return None

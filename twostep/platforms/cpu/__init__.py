@@ -3,7 +3,7 @@ linears with a matrix-vector kernel for 1-3 rows (linear.py), a float32 model's 
 kept in bf16 (bf16_weights.py), quantized weights read packed
 (quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
 as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py), and a
-decode step's layers composed of those in one C++ call (kernels/decode_step.cpp). Each only where its
+decode step's layers composed of those in one C++ call (kernels/csrc/decode_step.cpp). Each only where its
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
 

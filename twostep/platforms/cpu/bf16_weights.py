@@ -6,7 +6,7 @@ float32 weight does (the sums in another order, within float32 rounding).
 
 A layer's weight is kept in bf16 only where every value of it is a bf16 value (a float32 checkpoint
 keeps its float32 weights and F.linear). Inputs of up to GEMV_MAX_ROWS rows take the kernel
-(kernels/linear_bf16.cpp: AVX2 or plain C++), more rows a float32 tile of the weight at a time
+(kernels/csrc/linear_bf16.cpp: AVX2 or plain C++), more rows a float32 tile of the weight at a time
 through F.linear (MKL): prefill is compute-bound, and widening a tile costs a read of it. A tied
 embedding shares the narrowed table (layers/embedding.py widens the rows it looks up).
 

@@ -1,4 +1,4 @@
-"""The small per-layer ops as one C++ call each (twostep/kernels/elementwise.cpp), the CPU's
+"""The small per-layer ops as one C++ call each (twostep/kernels/csrc/elementwise.cpp), the CPU's
 implementations of the ops "rms_norm", "add_rms_norm" (layers/norm.py), "silu_and_mul"
 (layers/activation.py), "rotary" and "rotary_" (layers/rotary.py), for float32 and bf16; and
 "first_argmax" (the sampler's greedy pick, sample/argmax.py's answer in one call), for float32.

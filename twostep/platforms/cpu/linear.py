@@ -6,7 +6,7 @@ pre-packed (blocked) weight runs 1.1x (prefill) to 1.7x (a few rows) faster (ben
 bench_linear.py). Its results are bit-identical to F.linear in bf16, which the tests check. These
 are private torch ops, so they are used only behind a check that they exist and work.
 
-Batch-1 decode is one matrix-vector product per linear: there twostep/kernels/linear_bf16.cpp
+Batch-1 decode is one matrix-vector product per linear: there twostep/kernels/csrc/linear_bf16.cpp
 streams the row-major weight at ~1.3x oneDNN's packed GEMV (93% of a plain read of the same bytes);
 the two are even at 4 rows and oneDNN wins from there (benchmarks/bench_linear.py). The kernel
 reads the weight as stored, so a layer that uses it keeps the row-major weight beside the packed

@@ -1,4 +1,4 @@
-"""Paged decode attention on CPU through twostep/kernels/paged_attention.cpp: it reads each
+"""Paged decode attention on CPU through twostep/kernels/csrc/paged_attention.cpp: it reads each
 sequence's K/V blocks where they lie in the cache, instead of gathering them, padding them to the
 longest context and converting them. float32 math; one task per sequence and KV head, 16 positions
 at a time. For unquantized float32 or bf16 caches (8-bit caches and other dtypes: no kernel)."""

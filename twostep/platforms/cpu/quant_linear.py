@@ -1,4 +1,4 @@
-"""Quantized linears and embeddings on CPU, on twostep/kernels/quant_linear.cpp. Which product a
+"""Quantized linears and embeddings on CPU, on twostep/kernels/csrc/quant/. Which product a
 call takes, by the rows of its input:
 
 - **A few rows (decode)**: the matrix-vector passes, which stream each packed weight block once

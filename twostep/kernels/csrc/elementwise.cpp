@@ -10,7 +10,9 @@
 //
 // Each is registered as a torch custom op (torch.ops.twostep.*, so the profiler and torch.compile
 // see it) and also exposed to Python directly, which costs a microsecond less per call.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 
 #include <ATen/record_function.h>
@@ -23,12 +25,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TWOSTEP_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
+
+#ifdef TWOSTEP_AVX2
+using twostep::simd::load8;
+using twostep::simd::to_bf16;
+using twostep::simd::widen_bf16;
+#endif
 
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
@@ -37,7 +42,7 @@ inline float as_float(T x) { return static_cast<float>(x); }
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
 
-void check_cpu(const torch::Tensor& t, const char* name) {
+void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
 }
 
@@ -61,27 +66,8 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// bf16 <-> float32 for 8 values; to_bf16 rounds to nearest even with NaN kept quiet, as c10's
-// float -> BFloat16 conversion does, so a vector result is the scalar loop's bit for bit
-inline __m256 widen_bf16(__m128i h) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load_bf16(const at::BFloat16* x) {
-  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-}
-inline __m128i to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   // each fits 16 bits
-}
-
 // 8 values of T as float32 and back (bf16 rounded as c10 rounds), and a float32 result rounded to T
 // and widened again: what a torch op with a T output hands to the next one.
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const at::BFloat16* x) { return load_bf16(x); }
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
 inline void store8(at::BFloat16* o, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(v)); }
 template <typename T>
@@ -142,7 +128,7 @@ void rms_norm_row(const T* xr, const T* weight, T* o, int64_t dim, float eps) {
   for (; d < dim; ++d) o[d] = round_to<T>(as_float(weight[d]) * as_float(round_to<T>(as_float(xr[d]) * inv)));
 }
 
-void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x.dtype() == weight.dtype(), "x and weight must share a dtype");
@@ -152,14 +138,14 @@ void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
 
 // out = rms_norm(x) row by row; with a residual, residual += x first (rounded to T, as torch's add)
 // and the norm is of the sum.
-torch::Tensor norm_rows(const torch::Tensor& x, torch::Tensor* residual, const torch::Tensor& weight, double eps) {
+at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   if (residual != nullptr)
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->dtype() == x.dtype(),
                 "residual: contiguous, with x's shape and dtype");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
-  auto out = torch::empty_like(xc);
+  auto out = at::empty_like(xc);
   const int64_t dim = weight.size(0), rows = xc.numel() / dim;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
@@ -179,14 +165,14 @@ torch::Tensor norm_rows(const torch::Tensor& x, torch::Tensor* residual, const t
   return out;
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   RECORD_FUNCTION("twostep::rms_norm", c10::ArrayRef<c10::IValue>({}));
   return norm_rows(x, nullptr, weight, eps);
 }
 
 // residual += x in place, then the RMSNorm of the sum (vLLM's fused_add_rms_norm): one pass over
 // the row instead of an add and a norm.
-torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const torch::Tensor& weight,
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                            double eps) {
   RECORD_FUNCTION("twostep::add_rms_norm", c10::ArrayRef<c10::IValue>({}));
   return norm_rows(x, &residual, weight, eps);
@@ -201,7 +187,7 @@ inline void silu_mul_scalar(const T* g, const T* u, T* o, int64_t n) {
   }
 }
 
-#if defined(TWOSTEP_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef TWOSTEP_AVX512
 // exp8, to_bf16 and the loads above for 16 floats: the same operations lane by lane, so the same
 // bits. SiLU-and-mul takes them (bf16 at 4,864 columns: 2.8 us a call warm against 5.2 in vectors of 8)
 inline __m512 exp16(__m512 x) {
@@ -220,14 +206,6 @@ inline __m512 exp16(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
-inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const at::BFloat16* x) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
 inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
@@ -237,7 +215,6 @@ inline __m512 rounded16(__m512 v) {
   if constexpr (std::is_same_v<T, at::BFloat16>) return widen_bf16(to_bf16(v));
   return v;
 }
-#define TWOSTEP_AVX512 1
 #endif
 
 template <typename T>
@@ -265,7 +242,7 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 }
 
 // x [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   RECORD_FUNCTION("twostep::silu_and_mul", c10::ArrayRef<c10::IValue>({}));
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "x: last dimension 2 * intermediate size");
@@ -273,7 +250,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   const int64_t width = x.size(-1), half = width / 2, rows = width ? xc.numel() / width : 0;
   auto sizes = x.sizes().vec();
   sizes.back() = half;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -315,7 +292,7 @@ void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
   });
 }
 
-void check_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_cpu(x, "x");
   check_cpu(cos, "cos");
   check_cpu(sin, "sin");
@@ -327,7 +304,7 @@ void check_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch:
   TORCH_CHECK(cos.dtype() == x.dtype() && sin.dtype() == x.dtype(), "cos/sin must have x's dtype");
 }
 
-void run_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+void run_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   auto c = cos.reshape({tokens, dim}).contiguous();
   auto s = sin.reshape({tokens, dim}).contiguous();
@@ -338,17 +315,17 @@ void run_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::T
   });
 }
 
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   RECORD_FUNCTION("twostep::rotary", c10::ArrayRef<c10::IValue>({}));
   check_rotary(x, cos, sin);
-  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
   run_rotary(x, cos, sin, out);
   return out;
 }
 
 // The same rotation written back into x: q and k heads side by side in the qkv projection's
 // output are one [T, H + Hkv, D] view, rotated in one call.
-void rotary_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   RECORD_FUNCTION("twostep::rotary_", c10::ArrayRef<c10::IValue>({}));
   check_rotary(x, cos, sin);
   run_rotary(x, cos, sin, x);
@@ -356,12 +333,12 @@ void rotary_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin
 
 // k, v [T, Hkv, D] (any token stride, heads and D contiguous) to the cache's slots: values
 // [2, blocks, block_size, Hkv, D] of the same dtype; the two index_copy_ calls of the PyTorch code.
-void write_kv(torch::Tensor values, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots) {
+void write_kv(at::Tensor values, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
   RECORD_FUNCTION("twostep::write_kv", c10::ArrayRef<c10::IValue>({}));
   check_cpu(values, "values");
   TORCH_CHECK(values.dim() == 5 && values.is_contiguous(), "values: contiguous [2, blocks, block_size, Hkv, D]");
   TORCH_CHECK(k.dtype() == values.dtype() && v.dtype() == values.dtype(), "k, v: the cache's dtype");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.is_contiguous(),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "slots: contiguous int64 [T]");
   const int64_t tokens = slots.size(0), heads = values.size(3), dim = values.size(4);
   const int64_t capacity = values.size(1) * values.size(2), row = heads * dim;
@@ -427,13 +404,13 @@ inline int64_t first_max_index(const float* x, int64_t n) {
 // x [rows, V] float32 -> [rows] int64: each row's first maximum, torch.argmax(x, dim=-1)'s answer
 // (the greedy sampler's pick) in one call, where torch's CPU argmax walks a row a value at a time
 // with its index (sample/argmax.py's first_argmax takes ~10 torch ops to avoid that).
-torch::Tensor first_argmax(const torch::Tensor& x) {
+at::Tensor first_argmax(const at::Tensor& x) {
   RECORD_FUNCTION("twostep::first_argmax", c10::ArrayRef<c10::IValue>({}));
   check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) > 0, "x: float32 [rows, V], V > 0");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "x: float32 [rows, V], V > 0");
   const auto xc = x.contiguous();
   const int64_t rows = xc.size(0), n = xc.size(1);
-  auto out = torch::empty({rows}, xc.options().dtype(torch::kLong));
+  auto out = at::empty({rows}, xc.options().dtype(at::kLong));
   const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {

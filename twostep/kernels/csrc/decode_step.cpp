@@ -13,7 +13,10 @@
 // called through quant_linear's planes_product, the ops' own functions without the dispatcher), a
 // bf16 weight through the bf16 matrix-vector op, or a float weight through at::linear, each with an
 // optional bias (added in place, rounded as at::add rounds it).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
@@ -41,7 +44,7 @@ using RotaryInPlace = void(Tensor, const Tensor&, const Tensor&);
 using WriteKV = void(Tensor, const Tensor&, const Tensor&, const Tensor&);
 using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double);
 
-// quant_linear.cpp's planes_product: a part's product from its checked planes, not through the
+// quant/ops.cpp's planes_product: a part's product from its checked planes, not through the
 // dispatcher (read there why)
 using PlanesProduct = void (*)(const void* planes, bool int8, const Tensor& x, Tensor& out);
 // and its planes_rows: rows of a quantized embedding table

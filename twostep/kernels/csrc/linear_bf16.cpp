@@ -9,7 +9,8 @@
 //   the weights widened to float32 in registers (a bf16 is the top half of a float32: exact) and
 //   multiplied with fused multiply-adds, output float32. AVX2+FMA where the CPU has them, plain C++
 //   elsewhere: half the bytes of the float32 weight, on CPUs without native bf16 too.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Functions.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -226,13 +227,13 @@ const char* float32_path() {
 #endif
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
-                          const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias) {
   RECORD_FUNCTION("twostep::linear_bf16", c10::ArrayRef<c10::IValue>({}));
   TORCH_CHECK(x.is_cpu() && w.is_cpu(), "CPU tensors only");
-  TORCH_CHECK(w.dtype() == torch::kBFloat16, "the weight must be bfloat16");
-  const bool bf16_x = x.dtype() == torch::kBFloat16;
-  TORCH_CHECK(bf16_x || x.dtype() == torch::kFloat32, "the input must be bfloat16 or float32");
+  TORCH_CHECK(w.dtype() == at::kBFloat16, "the weight must be bfloat16");
+  const bool bf16_x = x.dtype() == at::kBFloat16;
+  TORCH_CHECK(bf16_x || x.dtype() == at::kFloat, "the input must be bfloat16 or float32");
   TORCH_CHECK(bf16_x ? has_bf16_dot() : has_float32_path(),
               bf16_x ? "bfloat16 inputs need a build with AVX512-BF16" : "float32 inputs need AVX2 and FMA here");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be a contiguous [N, K] matrix");
@@ -243,8 +244,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_c;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_cpu() && bias->dtype() == x.dtype() && bias->numel() == N,
                 "bias must be a CPU tensor [N] in the input's dtype");

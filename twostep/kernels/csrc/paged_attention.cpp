@@ -12,7 +12,8 @@
 // whole vectors, and the values are accumulated into the outputs of as many rows at once as fit in
 // registers (up to 4: tile_accumulate). With AVX-512 and a head size that is a multiple of 16 (AVX2:
 // of 8, up to 64) this is intrinsics; otherwise the same steps as plain loops.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -496,11 +497,11 @@ void decode_attention(const Q* q, const int64_t* q_index, const int64_t* q_lens,
 
 // Every index the kernel follows, checked before it runs: a bad plan is an error, never a read
 // outside the cache.
-void check_plan(const torch::Tensor& q, const torch::Tensor& q_index, const torch::Tensor& q_lens,
-                const torch::Tensor& cache, const torch::Tensor& tables, const torch::Tensor& seq_lens) {
+void check_plan(const at::Tensor& q, const at::Tensor& q_index, const at::Tensor& q_lens,
+                const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& seq_lens) {
   TORCH_CHECK(q.dim() == 3 && q_index.dim() == 2 && tables.dim() == 2, "q [T, H, D], q_index [B, Q], tables [B, n]");
-  TORCH_CHECK(q_index.scalar_type() == torch::kLong && q_lens.scalar_type() == torch::kLong &&
-              seq_lens.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong,
+  TORCH_CHECK(q_index.scalar_type() == at::kLong && q_lens.scalar_type() == at::kLong &&
+              seq_lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong,
               "q_index, q_lens, seq_lens, tables: int64");
   const int64_t batch = q_index.size(0), max_q = q_index.size(1), width = tables.size(1);
   TORCH_CHECK(q_lens.numel() == batch && seq_lens.numel() == batch && tables.size(0) == batch,
@@ -526,12 +527,12 @@ void check_plan(const torch::Tensor& q, const torch::Tensor& q_index, const torc
 // seq_lens [B] int64; cache [2, num_blocks, block_size, Hkv, D] float32 or bfloat16; tables [B, n]
 // int64. Returns [B, Q, H, D] in q's dtype (rows past a sequence's q_len are zeros); the math is
 // float32 either way.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, torch::Tensor q_lens,
-                                     torch::Tensor cache, torch::Tensor tables, torch::Tensor seq_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor q_index, at::Tensor q_lens,
+                                     at::Tensor cache, at::Tensor tables, at::Tensor seq_lens,
                                      double scale) {
   RECORD_FUNCTION("twostep::paged_decode_attention", c10::ArrayRef<c10::IValue>({}));
-  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16 ||
-                                     q.scalar_type() == torch::kHalf),
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                                     q.scalar_type() == at::kHalf),
               "q: contiguous float32, bfloat16 or float16");
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "cache: contiguous [2, blocks, bs, Hkv, D]");
   TORCH_CHECK(tables.is_contiguous() && q_index.is_contiguous(), "tables, q_index: contiguous");
@@ -541,8 +542,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
   // rows past a sequence's q_len are zeros; where there are none, every row is written
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const bool padded = std::any_of(ql, ql + batch, [&](int64_t n) { return n != max_q; });
-  auto out = padded ? torch::zeros({batch, max_q, heads, dim}, q.options())
-                    : torch::empty({batch, max_q, heads, dim}, q.options());
+  auto out = padded ? at::zeros({batch, max_q, heads, dim}, q.options())
+                    : at::empty({batch, max_q, heads, dim}, q.options());
   const int64_t half = cache.size(1) * block_size * kv_heads * dim;
   auto run = [&](auto* base, auto* queries) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
@@ -555,18 +556,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor q_index, tor
            static_cast<float>(scale), out.data_ptr<Q>());
   };
   auto with_queries = [&](auto* base) {
-    if (q.scalar_type() == torch::kFloat) {
+    if (q.scalar_type() == at::kFloat) {
       run(base, q.data_ptr<float>());
-    } else if (q.scalar_type() == torch::kBFloat16) {
+    } else if (q.scalar_type() == at::kBFloat16) {
       run(base, q.data_ptr<at::BFloat16>());
     } else {
       run(base, q.data_ptr<at::Half>());
     }
   };
-  if (cache.scalar_type() == torch::kFloat) {
+  if (cache.scalar_type() == at::kFloat) {
     with_queries(cache.data_ptr<float>());
   } else {
-    TORCH_CHECK(cache.scalar_type() == torch::kBFloat16, "cache: float32 or bfloat16");
+    TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "cache: float32 or bfloat16");
     with_queries(cache.data_ptr<at::BFloat16>());
   }
   return out;
