@@ -164,7 +164,7 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from twostep.core.tp_group import launched_rank, run_launched_worker
+    from twostep.core.execution.tp_group import launched_rank, run_launched_worker
     from twostep.engine.llm_engine import LLMEngine
     from twostep.entrypoints.openai.server import ServerConfig, run_server
 

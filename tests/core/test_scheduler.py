@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from twostep.core.step_outputs import ModelRunnerOutput, SchedulerOutput, StepResult
-from twostep.core.request import Request, RequestStatus
-from twostep.core.scheduler import Scheduler
+from twostep.core.scheduling.scheduler_output import SchedulerOutput
+from twostep.core.step_outputs import ModelRunnerOutput, StepResult
+from twostep.core.scheduling.request import Request, RequestStatus
+from twostep.core.scheduling.scheduler import Scheduler
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.outputs import RequestMetrics, SpecDecodeStats

@@ -123,7 +123,7 @@ def test_max_num_seqs_caps_running(reference):
 def test_garbage_in_unwritten_cache_slots_never_leaks(reference, monkeypatch):
     """The cache is allocated uninitialised: simulate the worst garbage (NaN everywhere);
     padding reads must not let it through."""
-    import twostep.core.model_builder as builder_module
+    import twostep.core.execution.model_builder as builder_module
 
     monkeypatch.setattr(builder_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference

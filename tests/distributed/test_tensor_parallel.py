@@ -12,7 +12,7 @@ import pytest
 
 from conftest import engine_for, random_prompts
 from twostep import SamplingParams
-from twostep.core.tp_group import WorkerError
+from twostep.core.execution.tp_group import WorkerError
 
 pytestmark = pytest.mark.slow
 

@@ -60,7 +60,7 @@ def test_capacity_nearly_doubles(tmp_path, fmt):
 
 def _next_token_logits(engine, prompt):
     engine.add_request(prompt, SamplingParams(max_tokens=1))
-    logits = engine.runner.all_logits(engine.scheduler.schedule())[-1]
+    logits = engine.runner.all_logits(engine.scheduler.schedule().plan)[-1]
     engine.abort_request(list(engine.scheduler.requests), emit_output=False)
     return logits
 

@@ -309,7 +309,7 @@ def test_drafts_are_verified_in_a_decode_batch_by_the_layers(tiny_model_dir, mon
     speculation repeats plain decoding's tokens and logprobs; it has more rows than sequences, so
     the layers run it, not the stack (which takes one row per sequence)."""
     int8_or_skip()
-    from twostep.core.model_runner import ModelRunner
+    from twostep.core.execution.model_runner import ModelRunner
 
     steps = []
     run_local = ModelRunner.run_local

@@ -68,7 +68,7 @@ def test_a_qwen_gguf_runs_as_transformers_runs_its_weights(tiny_model_dir, tmp_p
     assert engine.model_config.qkv_bias == (arch == "qwen2") and engine.model_config.qk_norm == (arch == "qwen3")
     prompt = random_prompts([23], seed=5)[0]
     engine.add_request(prompt)
-    ours = engine.runner.all_logits(engine.scheduler.schedule())
+    ours = engine.runner.all_logits(engine.scheduler.schedule().plan)
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

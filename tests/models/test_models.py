@@ -22,7 +22,7 @@ def test_prefill_logits_match_transformers(tiny_model_dir, arch):
         engine.add_request(p, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
     assert len(sched.scheduled) == 3
-    logits = engine.runner.all_logits(sched)
+    logits = engine.runner.all_logits(sched.plan)
     offset = 0
     for p in prompts:
         with torch.no_grad():
@@ -182,7 +182,7 @@ def test_prepacked_bf16_linears_are_bit_identical(tiny_model_dir):
                    for m in engine.model.modules()) == packed
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        logits[packed] = engine.runner.all_logits(engine.scheduler.schedule())
+        logits[packed] = engine.runner.all_logits(engine.scheduler.schedule().plan)
         engine.abort_request(list(engine.scheduler.requests), emit_output=False)
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
                for p in prompts]

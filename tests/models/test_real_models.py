@@ -55,7 +55,7 @@ def test_smollm2_logits_match_transformers(smollm):
     engine.reset_prefix_cache()   # compute every position, not only what an earlier test left
     engine.add_request(ids, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
-    ours = engine.runner.all_logits(sched)
+    ours = engine.runner.all_logits(sched.plan)
     engine.abort_request(list(engine.scheduler.requests))
     engine.step()
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_bfloat16_stays_within_the_stated_tolerance_of_float32():
         llm = LLM(path, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
         engine = llm.engine
         engine.add_request(llm.tokenizer.encode_chat(messages), SamplingParams(max_tokens=1))
-        logits[dtype] = engine.runner.all_logits(engine.scheduler.schedule())
+        logits[dtype] = engine.runner.all_logits(engine.scheduler.schedule().plan)
     diff = (logits["float32"] - logits["bfloat16"]).abs()
     agree = (logits["float32"].argmax(-1) == logits["bfloat16"].argmax(-1)).float().mean().item()
     assert diff.mean().item() < BF16_MEAN_LOGIT_DIFF

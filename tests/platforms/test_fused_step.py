@@ -93,11 +93,11 @@ def test_bf16_fused_step_is_within_bf16_rounding(tiny_model_dir):
 
 
 def _prefill_logits(engine, ids):
-    from twostep.core.step_outputs import SchedulerOutput
+    from twostep.core.scheduling.scheduler_output import SchedulerOutput
 
     engine.add_request(ids.tolist(), SamplingParams(max_tokens=1))
     scheduler_output: SchedulerOutput = engine.scheduler.schedule()
-    return engine.runner.all_logits(scheduler_output).float()
+    return engine.runner.all_logits(scheduler_output.plan).float()
 
 
 def test_a_decode_step_runs_the_fused_kernels_not_the_torch_ops(tiny_model_dir):

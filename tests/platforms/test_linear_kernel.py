@@ -94,7 +94,7 @@ def decode_logits(folder, gemv: bool, dtype="bfloat16"):
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()                                  # prefill: many rows, oneDNN (and the lm_head row)
     calls = counter.calls if gemv else 0
-    logits = engine.runner.all_logits(engine.scheduler.schedule())
+    logits = engine.runner.all_logits(engine.scheduler.schedule().plan)
     if gemv:                                       # the decode step's linears all took the kernel
         assert counter.calls - calls == len(layers)
     return logits

@@ -397,7 +397,7 @@ def test_bench_reports_speculation_counters_of_the_run(tiny_model_dir):
 def test_garbage_in_the_drafts_unwritten_blocks_never_leaks(reference, monkeypatch):
     """The draft reserves blocks for drafts 2..k before writing them, and batched steps read them
     (masked) for shorter sequences: NaN there must not reach the drafts."""
-    import twostep.core.model_builder as draft_module   # builds the draft's cache too
+    import twostep.core.execution.model_builder as draft_module   # builds the draft's cache too
 
     monkeypatch.setattr(draft_module, "allocate_kv_cache", nan_filled_kv_cache)
     folder, prompts, expected = reference
@@ -435,9 +435,9 @@ def test_the_draft_catches_up_on_long_prompts_within_the_token_budget(reference)
     sizes = []
     original = runner.last_logits
 
-    def spy(items):
-        sizes.append(sum(s.num_tokens for s in items))
-        return original(items)
+    def spy(plan):
+        sizes.append(plan.num_tokens)
+        return original(plan)
 
     runner.last_logits = spy
     outs = run_all(engine, prompts)

@@ -1,65 +1,78 @@
-"""What flows out of the engine core's stages in one step: the scheduler's plan (SchedulerOutput),
-what the model runner computed for it (ModelRunnerOutput) and, after the scheduler has updated
-its requests, what changed for each one (EngineCoreOutput, the output processor's input)."""
+"""The messages between the engine core's stages in one step, plain data: the scheduler's plan for
+the runner (StepPlan), what the runner computed for it (ModelRunnerOutput) and, after the scheduler
+has updated its requests, what changed for each one (EngineCoreOutput, the output processor's
+input). The scheduling side (core/scheduling) and the execution side (core/execution) share only
+these."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from twostep.core.request import Request
 from twostep.outputs import PositionLogprobs
+from twostep.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_tokens: int                  # tokens computed for it this step (drafts included)
-    start: int                       # its num_computed_tokens before the step
-    spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step
-    spec_draft_probs: torch.Tensor | None = None              # their draft distributions [k, V]
-    block_ids: list[int] = field(default_factory=list)        # its block table, set by the scheduler
-    # Structured outputs: tokens allowed at each sampled position ([1 + drafts, W]), set by the
-    # scheduler when this step samples for a constrained request.
-    token_bitmask: torch.Tensor | None = None
+class NewRequestData:
+    """A request as the runner first sees it, sent once: when it is first scheduled, or again after
+    a preemption made the runner forget it."""
 
-    @property
-    def num_known_tokens(self) -> int:
-        return self.num_tokens - len(self.spec_token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token past the prompt (plus drafts to verify); prompt chunks and
-        recomputation after preemption are prefill work."""
-        return self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens
-
-    @property
-    def completes_known_tokens(self) -> bool:
-        """After this step every known token is cached, so the step samples its next token."""
-        return self.start + self.num_known_tokens == self.request.num_tokens
-
-    def input_token_ids(self) -> list[int]:
-        """Tokens start .. start + num_tokens of the request's tokens followed by the drafts."""
-        known, end = self.request.all_token_ids, self.start + self.num_tokens
-        head = known[self.start:end] if self.start < len(known) else []
-        if end <= len(known):
-            return head
-        return head + self.spec_token_ids[max(self.start - len(known), 0):end - len(known)]
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]          # generated before (a request resumed after preemption)
+    params: SamplingParams | None        # None for tensor-parallel workers, which do not sample
+    generator: torch.Generator | None = None
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)   # ended while scheduling (no room, ever)
+class RequestStep:
+    """One request's part of a step, as the runner receives it: what changed since it last saw it."""
+
+    request_id: str
+    start: int                           # its tokens [start, start + len(token_ids)) are computed
+    token_ids: list[int]                 # their ids: known tokens, then num_drafts drafts to verify
+    new_block_ids: list[int]             # its block table from index block_start on (earlier: kept)
+    block_start: int = 0
+    num_drafts: int = 0
+    samples: bool = False                # the step completes its known tokens: sample the next one
+    prompt_logprobs_from: int | None = None  # first prompt position whose logprobs are still owed
+    draft_probs: torch.Tensor | None = None  # the drafts' distributions [num_drafts, V] (draft model)
+    token_bitmask: torch.Tensor | None = None  # structured outputs: allowed tokens per sampled position
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return len(self.token_ids)
 
     @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_drafts
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts:]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the scheduler sends its runner for one step (vLLM's SchedulerOutput): requests new to
+    the runner once, then per step each scheduled request's tokens and new blocks, and the requests
+    to forget. The runner keeps the rest (its requests' tokens, parameters and block tables)."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    steps: list[RequestStep] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)   # finished or preempted since the last plan
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.steps)
+
+    def for_workers(self) -> "StepPlan":
+        """The plan as tensor-parallel workers take it: no sampling state (they run the forward only)."""
+        new = [NewRequestData(r.request_id, r.prompt_token_ids, r.output_token_ids, None) for r in self.new_requests]
+        steps = [dataclasses.replace(s, draft_probs=None, token_bitmask=None) for s in self.steps]
+        return StepPlan(new, steps, self.removed)
 
 
 @dataclass(slots=True)

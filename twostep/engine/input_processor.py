@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from twostep.config import EngineConfig
-from twostep.core.request import Request
+from twostep.core.scheduling.request import Request
 from twostep.engine.parallel_sampling import ParentRequest, child_params
 from twostep.outputs import RequestMetrics, SpecDecodeStats
 from twostep.sample.sampler import make_generator

@@ -2,7 +2,7 @@
 the scheduler's plan, one forward pass over it, the scheduler's update from its results; then the
 output processor turns what changed into RequestOutputs. Everything else has its own module:
 inputs (input_processor.py), outputs (output_processor.py), scheduling and request/KV state
-(core/scheduler.py), the model and its cache (core/model_builder.py)."""
+(core/scheduling/scheduler.py), the model and its cache (core/execution/model_builder.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +14,11 @@ from typing import Iterable
 import torch
 
 from twostep.config import EngineConfig
-from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
-from twostep.core.step_outputs import SchedulerOutput
-from twostep.core.proposer import Proposer
-from twostep.core.scheduler import Scheduler
-from twostep.core.tp_group import TPGroup, WorkerSpec, cores_for, default_init_method, launched_rank
+from twostep.core.execution.model_builder import CacheSpec, ModelSpec, build_model_instance
+from twostep.core.scheduling.scheduler_output import SchedulerOutput
+from twostep.core.scheduling.proposer import Proposer
+from twostep.core.scheduling.scheduler import Scheduler
+from twostep.core.execution.tp_group import TPGroup, WorkerSpec, cores_for, default_init_method, launched_rank
 from twostep.distributed.parallel import TensorParallel
 from twostep.engine.input_processor import InputProcessor, ModelLimits, PromptInput
 from twostep.engine.output_processor import OutputProcessor
@@ -130,7 +130,7 @@ class LLMEngine:
         if self.kv_connector is not None:
             self.kv_connector.write_loaded(self.runner.write_blocks)
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.runner.execute(scheduler_output.plan)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process(core_outputs)
         for request_id, stop_string in processed.stopped_by_string:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from twostep.core.step_outputs import EngineCoreOutput
-from twostep.core.request import Request
+from twostep.core.scheduling.request import Request
 from twostep.engine.input_processor import ProcessedPrompt
 from twostep.engine.parallel_sampling import ParentRequest
 from twostep.engine.trace import StepTracer

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from twostep.config import DTYPES, EngineConfig, SpeculativeConfig
-from twostep.core.model_builder import CacheSpec, ModelInstance, ModelSpec, build_model_instance
-from twostep.core.step_outputs import ScheduledRequest
-from twostep.core.request import Request
+from twostep.core.execution.model_builder import CacheSpec, ModelInstance, ModelSpec, build_model_instance
+from twostep.core.scheduling.runner_record import RunnerRecord
+from twostep.core.scheduling.scheduler_output import ScheduledRequest
+from twostep.core.scheduling.request import Request
 from twostep.models.loader import resolve_model_path
 from twostep.platforms import Platform
 from twostep.sample.rejection_sampler import draft_sample
@@ -49,6 +50,7 @@ class DraftModelProposer:
         self.sampler = sampler
         self.token_budget = engine.max_num_batched_tokens
         self._fed: dict[str, _Fed] = {}
+        self._record = RunnerRecord()            # what the draft's runner holds (its plans)
         logger.info("draft model %s: %d layers, dtype %s; its %s", draft.path, draft.config.num_layers,
                     str(dtype).removeprefix("torch."), draft.kv_plan.describe())
 
@@ -63,7 +65,8 @@ class DraftModelProposer:
         items = [self._item(r, r.num_tokens - self._fed[r.request_id].base,
                             self._fed[r.request_id].base) for r, _ in active]
         while items or chunks:
-            logits = self.runner.last_logits(items + chunks)[:len(items)]
+            steps = items + chunks
+            logits = self.runner.last_logits(self._record.plan(steps, [s.block_ids for s in steps]))[:len(items)]
             chunks = []                  # catch-up chunks only ride along in the first forward
             if not items:
                 break
@@ -124,6 +127,7 @@ class DraftModelProposer:
             valid += 1
         valid = min(valid, request.num_tokens - 1)   # the newest token is always fed
         self.kv.trim(rid, valid)
+        self._record.trimmed(rid, self.kv.num_blocks_of(rid))
         # The cache will hold the request's tokens and drafts 1 .. k-1.
         if not self.kv.allocate_slots(rid, valid, request.num_tokens + k - 1 - valid):
             self.remove(rid)
@@ -137,6 +141,7 @@ class DraftModelProposer:
     def remove(self, request_id: str) -> None:
         self.kv.free(request_id)
         self._fed.pop(request_id, None)
+        self._record.forget(request_id)
 
 
 def _stack(dists: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twostep.core.request import Request
+from twostep.core.scheduling.request import Request
 from twostep.config import SpeculativeConfig
 
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from twostep.config import EngineConfig
-from twostep.core.model_builder import ModelInstance
-from twostep.core.proposer import Proposer
+from twostep.core.execution.model_builder import ModelInstance
+from twostep.core.scheduling.proposer import Proposer
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
 from twostep.spec_decode.draft_model import DraftModelProposer

@@ -1,4 +1,6 @@
-"""Turns a SchedulerOutput into one flat, unpadded forward pass and samples from it.
+"""Turns a StepPlan (core/step_outputs.py: the scheduler's message, plain data) into one flat,
+unpadded forward pass and samples from it. The runner keeps its requests' state between steps
+(core/execution/request_states.py) and reads nothing of the scheduler's.
 
 Inputs per step: input_ids and positions of every scheduled token, slot_mapping (where each
 new token's K/V goes), block tables and lengths for attention: the common metadata, which the
@@ -8,7 +10,6 @@ of a request verifying drafts, plus prompt positions of requests that asked for 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -18,7 +19,8 @@ import torch
 from twostep.attention.backend import AttentionBackend
 from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
 from twostep.attention.metadata import AttentionMetadata, int64_tensor
-from twostep.core.step_outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepResult
+from twostep.core.execution.request_states import RequestState, RequestStates
+from twostep.core.step_outputs import ModelRunnerOutput, RequestStep, StepPlan, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.kv_transfer.blocks import scatter_blocks
 from twostep.models.decoder import DecoderForCausalLM
@@ -39,19 +41,12 @@ class StepInputs:
     # rows): the kernels may take a decode batch's faster products (platforms/step_kind.py)
     decode_batch: bool = False
 
-    def to(self, device: torch.device) -> "StepInputs":
-        """On another device (a step crosses processes in host memory)."""
-        meta = dataclasses.replace(self.meta, slot_mapping=self.meta.slot_mapping.to(device),
-                                   block_tables=self.meta.block_tables.to(device))
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.blocks,
-                          self.decode_batch)
-
 
 class StepBroadcast(Protocol):
-    """Tensor parallelism (core/tp_group.py): hands a step's inputs and logit rows to the other
-    ranks, and turns a failed collective during the step into an error that names the rank."""
+    """Tensor parallelism (core/execution/tp_group.py): hands a step's plan and logit rows to the
+    other ranks, and turns a failed collective during the step into an error that names the rank."""
 
-    def step(self, inputs: StepInputs, rows: list[int] | None) -> AbstractContextManager: ...
+    def step(self, plan: StepPlan, rows: list[int] | None) -> AbstractContextManager: ...
 
 
 @dataclass(slots=True)
@@ -80,43 +75,49 @@ class ModelRunner:
         self._zeroed = bytearray(kv_caches[0].num_blocks)    # 1 where a block was zeroed or written
         self._block_fills = block_fills(kv_caches)
         self.ensure_zeroed([NULL_BLOCK_ID])
+        self.requests = RequestStates()              # the runner's own state of its requests
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        items = scheduler_output.scheduled
-        if not items:
+    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        states = self.requests.apply(plan)
+        if not plan.steps:
             return ModelRunnerOutput()
-        inputs = self._prepare(items)
-        rows = self._logit_rows(items, inputs.meta)
-        _, logits = self._run(inputs, rows.flat_indices or None)
+        inputs = self._prepare(plan.steps, states)
+        rows = self._logit_rows(plan.steps, states, inputs.meta)
+        _, logits = self._run(plan, inputs, rows.flat_indices or None)
         if logits is None:
-            return ModelRunnerOutput([StepResult() for _ in items])
-        return ModelRunnerOutput(self._results(items, logits, rows))
+            return ModelRunnerOutput([StepResult() for _ in plan.steps])
+        return ModelRunnerOutput(self._results(plan.steps, states, logits, rows))
 
     @torch.inference_mode()
-    def all_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+    def all_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at every scheduled position (flat, [T, vocab]); for checks against a reference.
         Writes K/V like a normal step but samples nothing."""
-        inputs = self._prepare(scheduler_output.scheduled)
-        return self._run(inputs, list(range(len(inputs.input_ids))))[1]
+        inputs = self._prepare(plan.steps, self.requests.apply(plan))
+        return self._run(plan, inputs, list(range(len(inputs.input_ids))))[1]
 
     @torch.inference_mode()
-    def last_logits(self, items: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [len(items), vocab] at each item's last position (a draft model's proposals)."""
-        inputs = self._prepare(items)
-        return self._run(inputs, [end - 1 for end in inputs.meta.query_start_loc[1:]])[1]
+    def last_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.steps), vocab] at each step's last position (a draft model's proposals)."""
+        inputs = self._prepare(plan.steps, self.requests.apply(plan))
+        return self._run(plan, inputs, [end - 1 for end in inputs.meta.query_start_loc[1:]])[1]
 
-    def _run(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, plan: StepPlan, inputs: StepInputs,
+             rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward (on every tensor-parallel rank) and the logits at these rows, if any."""
         if self.peers is None:
             return self.run_local(inputs, rows)
-        with self.peers.step(inputs, rows):
+        with self.peers.step(plan, rows):
             return self.run_local(inputs, rows)
 
+    def run_worker(self, plan: StepPlan, rows: list[int] | None) -> None:
+        """A tensor-parallel worker's part of a step: the plan rank 0 sent, applied to this rank's
+        own state, and its forward."""
+        inputs = self._prepare(plan.steps, self.requests.apply(plan))
+        self.run_local(inputs, rows)
+
     def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's part of a step: a tensor-parallel worker runs what rank 0 sent it."""
-        if inputs.input_ids.device != self.device:
-            inputs = inputs.to(self.device)
+        """This rank's part of a step's forward."""
         self.ensure_zeroed(inputs.blocks)
         meta = self.backend.build_metadata(inputs.meta)
         every_row = rows is not None and rows == list(range(len(inputs.input_ids)))
@@ -146,15 +147,15 @@ class ModelRunner:
         for b in block_ids:
             self._zeroed[b] = 1
 
-    def _prepare(self, items: list[ScheduledRequest]):
+    def _prepare(self, steps: list[RequestStep], states: list[RequestState]) -> StepInputs:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         starts, qlens, slens, tables = [0], [], [], []
         bs = self.block_size
-        for s in items:
-            end, block_ids = s.start + s.num_tokens, s.block_ids
-            ids.extend(s.input_token_ids())
+        for s, state in zip(steps, states):
+            end, block_ids = s.start + s.num_tokens, state.block_ids
+            ids.extend(s.token_ids)
             pos.extend(range(s.start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
             starts.append(starts[-1] + s.num_tokens)
@@ -169,56 +170,61 @@ class ModelRunner:
             slot_mapping=int64_tensor(slots, self.device),
             block_tables=table, block_size=bs,
             # Decodes, and decodes verifying drafts, share one batched attention call per layer.
-            is_decode=[s.num_tokens == 1 or bool(s.spec_token_ids) for s in items],
+            is_decode=[s.num_tokens == 1 or s.num_drafts > 0 for s in steps],
         )
+        # a decode batch: one new token past the prompt a request (plus drafts to verify); prompt
+        # chunks and recomputation after preemption are prefill work
+        decodes = all(s.num_known_tokens == 1 and s.start >= state.num_prompt_tokens for s, state in zip(steps, states))
         return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), meta,
-                          sorted({sl // bs for sl in slots}), all(s.is_decode for s in items))
+                          sorted({sl // bs for sl in slots}), decodes)
 
-    def _logit_rows(self, items: list[ScheduledRequest], meta: AttentionMetadata) -> _LogitRows:
+    def _logit_rows(self, steps: list[RequestStep], states: list[RequestState],
+                    meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])
-        for i, s in enumerate(items):
-            req, first = s.request, meta.query_start_loc[i]
-            if req.wants_prompt_logprobs:
+        for i, (s, state) in enumerate(zip(steps, states)):
+            first = meta.query_start_loc[i]
+            if s.prompt_logprobs_from is not None:
                 # Logits at prompt position p score prompt token p + 1.
-                lo = max(s.start, req.num_prompt_logprobs - 1)
-                hi = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+                lo = max(s.start, s.prompt_logprobs_from - 1)
+                hi = min(s.start + s.num_tokens, state.num_prompt_tokens - 1)
                 if hi > lo:
                     rows.prompt_rows[i] = (len(rows.flat_indices), hi - lo, lo + 1)
                     rows.flat_indices.extend(first + p - s.start for p in range(lo, hi))
-            if s.spec_token_ids:
+            if s.num_drafts:
                 rows.verify_rows[i] = len(rows.flat_indices)
                 rows.flat_indices.extend(range(first, first + s.num_tokens))
-            elif s.completes_known_tokens:
+            elif s.samples:
                 rows.sample_index[i] = len(rows.flat_indices)
                 rows.flat_indices.append(first + s.num_tokens - 1)
         return rows
 
-    def _results(self, items, logits: torch.Tensor, rows: _LogitRows) -> list[StepResult]:
-        results = [StepResult() for _ in items]
+    def _results(self, steps: list[RequestStep], states: list[RequestState], logits: torch.Tensor,
+                 rows: _LogitRows) -> list[StepResult]:
+        results = [StepResult() for _ in steps]
         for i, (row, count, target) in rows.prompt_rows.items():
-            req = items[i].request
-            targets = req.prompt_token_ids[target:target + count]
+            state = states[i]
+            targets = state.prompt_token_ids[target:target + count]
             results[i].prompt_logprobs = prompt_logprobs(
-                logits[row:row + count], targets, req.params.prompt_logprobs)
+                logits[row:row + count], targets, state.params.prompt_logprobs)
         sampling = list(rows.sample_index.items())
         if sampling:
-            sample_rows = [_sampling_row(items[i]) for i, _ in sampling]
+            sample_rows = [_sampling_row(steps[i], states[i]) for i, _ in sampling]
             out = self.sampler(_pick_rows(logits, [r for _, r in sampling]), sample_rows)
             for k, (i, _) in enumerate(sampling):
                 results[i].token_ids = [out.token_ids[k]]
                 results[i].logprobs = [out.logprobs[k]]
         if rows.verify_rows:
-            self._verify(items, logits, rows.verify_rows, results)
+            self._verify(steps, states, logits, rows.verify_rows, results)
         return results
 
-    def _verify(self, items, logits: torch.Tensor, verify_rows: dict[int, int],
-                results: list[StepResult]) -> None:
+    def _verify(self, steps: list[RequestStep], states: list[RequestState], logits: torch.Tensor,
+                verify_rows: dict[int, int], results: list[StepResult]) -> None:
         drafts, picked = [], []
         for i, row in verify_rows.items():
-            s, req = items[i], items[i].request
+            s, state = steps[i], states[i]
             drafts.append(DraftRow(
-                SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator),
-                s.spec_token_ids, s.spec_draft_probs, s.token_bitmask))
+                SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator),
+                s.drafts, s.draft_probs, s.token_bitmask))
             picked.extend(range(row, row + s.num_tokens))
         verified = self.rejection_sampler(logits[torch.tensor(picked, device=logits.device)], drafts)
         for i, v in zip(verify_rows, verified):
@@ -236,7 +242,6 @@ def _pick_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t[torch.tensor(rows, device=t.device)]
 
 
-def _sampling_row(s: ScheduledRequest) -> SamplingRow:
-    req = s.request
+def _sampling_row(s: RequestStep, state: RequestState) -> SamplingRow:
     mask = None if s.token_bitmask is None else s.token_bitmask[0]
-    return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, mask)
+    return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator, mask)

@@ -9,7 +9,7 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 
 After the model ran, update_from_output() applies the step to the requests and the KV cache:
 computed tokens, appended tokens (accepted drafts included), rejected draft slots trimmed, full
-blocks registered in the prefix cache, stop rules (core/stop.py), finished requests' blocks freed.
+blocks registered in the prefix cache, stop rules (core/scheduling/stop.py), finished requests' blocks freed.
 Nothing else writes request or KV state after a step (vLLM v1's Scheduler.update_from_output);
 of a request's RequestMetrics it writes the scheduling fields, the output processor the token
 timings.
@@ -24,10 +24,11 @@ from typing import Iterable
 
 import torch
 
-from twostep.core.step_outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
-                                  SchedulerOutput, StepResult)
-from twostep.core.request import Request, RequestStatus
-from twostep.core.stop import check_stop
+from twostep.core.scheduling.request import Request, RequestStatus
+from twostep.core.scheduling.runner_record import RunnerRecord
+from twostep.core.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
+from twostep.core.scheduling.stop import check_stop
+from twostep.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, StepResult
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.kv_transfer.connector import KVConnector
 from twostep.outputs import SpecDecodeStats
@@ -62,6 +63,7 @@ class Scheduler:
         self._released: list[str] = []               # finished or preempted, not yet taken
         self.loading: dict[str, Request] = {}        # waiting for their prompt's remote KV blocks
         self.sending: dict[str, Request] = {}        # finished; blocks held for a remote decode
+        self.runner = RunnerRecord()                 # what the model runner holds (each step's plan)
 
     @property
     def num_preemptions(self) -> int:
@@ -116,6 +118,7 @@ class Scheduler:
             grammar = s.request.grammar
             if grammar is not None and (s.spec_token_ids or s.completes_known_tokens):
                 s.token_bitmask = grammar.bitmask(s.spec_token_ids)
+        out.plan = self.runner.plan(out.scheduled, [s.block_ids for s in out.scheduled])
         return out
 
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
@@ -168,6 +171,7 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.stats.num_preemptions += 1
         self._released.append(request.request_id)
+        self.runner.forget(request.request_id)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         if request not in out.finished:
             self.waiting.appendleft(request)
@@ -291,6 +295,7 @@ class Scheduler:
             self.spec_stats.record(len(s.spec_token_ids), result.num_accepted)
             request.metrics.spec_decode.record(len(s.spec_token_ids), result.num_accepted)
             self.kv.trim(rid, request.num_computed_tokens)
+            self.runner.trimmed(rid, self.kv.num_blocks_of(rid))
         tokens = request.all_token_ids
         if result.num_accepted:     # computed now, appended below
             tokens = tokens + s.spec_token_ids[:result.num_accepted]
@@ -351,6 +356,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
         self._released.append(request.request_id)
+        self.runner.forget(rid)
 
     def _holds_for_remote_decode(self, request: Request, reason: str, stop_reason) -> bool:
         """A producer's request that finished in its own step (not aborted, not cut by a stop

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from twostep.core.request import Request
+from twostep.core.scheduling.request import Request
 
 # Draft tokens and the distributions they were drawn from ([k, V]; None for point masses).
 Draft = tuple[list[int], "torch.Tensor | None"]

@@ -12,7 +12,7 @@ import torch
 from twostep.attention.selector import get_attention_backend
 from twostep.config import kv_format
 from twostep.distributed.parallel import TensorParallel
-from twostep.core.model_runner import ModelRunner
+from twostep.core.execution.model_runner import ModelRunner
 from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.dispatch import apply_platform, weight_bytes

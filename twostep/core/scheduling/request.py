@@ -2,7 +2,7 @@
 and num_computed_tokens (how many of them are in the KV cache). "Prefilling" and "decoding"
 are just num_computed_tokens < num_prompt_tokens or not; the scheduler needs no phases.
 
-The scheduler alone writes this state after it is made (core/scheduler.py); what the user sees
+The scheduler alone writes this state after it is made (core/scheduling/scheduler.py); what the user sees
 (text, logprobs, cumulative outputs) is the output processor's (engine/output_processor.py)."""
 from __future__ import annotations
 

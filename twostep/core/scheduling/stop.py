@@ -3,7 +3,7 @@ length limit, with min_tokens holding back the first two. Stop strings need text
 detokenization (engine/output_processor.py)."""
 from __future__ import annotations
 
-from twostep.core.request import Request
+from twostep.core.scheduling.request import Request
 
 
 def check_stop(request: Request, token: int) -> tuple[str, int | None] | None:

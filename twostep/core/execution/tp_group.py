@@ -4,9 +4,9 @@ rank 0 broadcasts to them. One torch.distributed group joins them: gloo on CPU, 
 the process's default group, so one engine at a time holds it; shutdown(), dropping the engine, or
 the interpreter's exit frees it for the next.
 
-Per step rank 0 broadcasts the step's inputs once (torch.distributed.broadcast_object_list: token
-ids, positions, the common attention metadata, the blocks to zero, the rows that need logits); every
-rank runs the same forward, with the all-reduces and the logits gather inside the model
+Per step rank 0 broadcasts the scheduler's plan once (torch.distributed.broadcast_object_list: the
+same StepPlan its own runner receives, less the sampling state, and the rows that need logits);
+each rank's runner applies it to its own state of the requests and runs the same forward, with the all-reduces and the logits gather inside the model
 (distributed/parallel.py). Only rank 0 samples and answers. Each rank has its own paged cache with
 the same block ids, so the scheduler does not know tensor parallelism exists.
 
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from twostep.config.engine import EngineConfig
-from twostep.core.model_builder import CacheSpec, ModelSpec, build_model_instance
-from twostep.core.model_runner import StepInputs
+from twostep.core.execution.model_builder import CacheSpec, ModelSpec, build_model_instance
+from twostep.core.step_outputs import StepPlan
 from twostep.distributed.parallel import TensorParallel
 from twostep.sample.sampler import Sampler
 
@@ -153,12 +153,12 @@ class TPGroup:
                 raise WorkerError(f"tensor-parallel worker rank {rank} failed to load: {status}")
 
     @contextlib.contextmanager
-    def step(self, inputs: StepInputs, rows: list[int] | None):
+    def step(self, plan: StepPlan, rows: list[int] | None):
         """Broadcast the step, then run rank 0's part in the with-block: a collective that fails
         or times out names the worker that is gone, or says that none answered in time."""
         self.check()
         try:
-            dist.broadcast_object_list([(inputs.to(torch.device("cpu")), rows)], src=0)
+            dist.broadcast_object_list([(plan.for_workers(), rows)], src=0)
             yield
         except RuntimeError as e:
             self.check()
@@ -286,8 +286,8 @@ def _serve_steps(runner) -> None:
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return
-            inputs, rows = box[0]
-            runner.run_local(inputs, rows)
+            plan, rows = box[0]
+            runner.run_worker(plan, rows)
 
 
 def _build(rank: int, world_size: int, spec: WorkerSpec):

@@ -1,0 +1,1 @@
+"""The execution half of the engine core (core/__init__.py)."""

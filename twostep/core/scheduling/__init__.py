@@ -1,0 +1,1 @@
+"""The scheduling half of the engine core (core/__init__.py)."""

@@ -1,0 +1,50 @@
+"""The scheduler's record of what its model runner holds: which requests it has seen, and how much
+of each one's block table. From it each step's StepPlan carries only what changed (vLLM's
+NewRequestData once, then per-step diffs), and the runner keeps the rest in its own state."""
+from __future__ import annotations
+
+from twostep.core.scheduling.request import Request
+from twostep.core.scheduling.scheduler_output import ScheduledRequest
+from twostep.core.step_outputs import NewRequestData, RequestStep, StepPlan
+
+
+class RunnerRecord:
+    def __init__(self) -> None:
+        self._blocks: dict[str, int] = {}     # request id -> leading blocks of its table the runner has
+        self._removed: list[str] = []         # forgotten since the last plan
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted (its blocks freed): the runner drops it."""
+        if self._blocks.pop(request_id, None) is not None:
+            self._removed.append(request_id)
+
+    def trimmed(self, request_id: str, num_blocks: int) -> None:
+        """Its table was cut to num_blocks (rejected drafts' slots rolled back): later blocks are new."""
+        if request_id in self._blocks:
+            self._blocks[request_id] = min(self._blocks[request_id], num_blocks)
+
+    def plan(self, scheduled: list[ScheduledRequest], tables: list[list[int]]) -> StepPlan:
+        """The runner's message for these scheduled requests, whose block tables are `tables`. An
+        empty step keeps what was forgotten for the next plan (a step that runs, which every
+        tensor-parallel rank receives)."""
+        if not scheduled:
+            return StepPlan()
+        plan = StepPlan(removed=self._removed)
+        self._removed = []
+        for s, table in zip(scheduled, tables, strict=True):
+            request = s.request
+            rid = request.request_id
+            if rid not in self._blocks:
+                plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids,
+                                                        list(request.output_token_ids), request.params,
+                                                        request.generator))
+                self._blocks[rid] = 0
+            first = min(self._blocks[rid], len(table))
+            self._blocks[rid] = len(table)
+            plan.steps.append(RequestStep(
+                rid, s.start, s.input_token_ids(), table[first:], first, len(s.spec_token_ids),
+                s.completes_known_tokens,
+                request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
+                s.spec_draft_probs, s.token_bitmask))
+        return plan
+
