@@ -81,13 +81,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
         states = self.requests.apply(plan)
         if not plan.steps:
+            if plan.removed and self.peers is not None:     # the other ranks forget them too
+                with self.peers.step(plan, None):
+                    pass
             return ModelRunnerOutput()
         inputs = self._prepare(plan.steps, states)
         rows = self._logit_rows(plan.steps, states, inputs.meta)
         _, logits = self._run(plan, inputs, rows.flat_indices or None)
         if logits is None:
             return ModelRunnerOutput([StepResult() for _ in plan.steps])
-        return ModelRunnerOutput(self._results(plan.steps, states, logits, rows))
+        results = self._results(plan.steps, states, logits, rows)
+        for state, result in zip(states, results):   # what it sampled, and the drafts it accepted
+            state.output_token_ids.extend(result.token_ids)
+        return ModelRunnerOutput(results)
 
     @torch.inference_mode()
     def all_logits(self, plan: StepPlan) -> torch.Tensor:
@@ -113,8 +119,9 @@ class ModelRunner:
     def run_worker(self, plan: StepPlan, rows: list[int] | None) -> None:
         """A tensor-parallel worker's part of a step: the plan rank 0 sent, applied to this rank's
         own state, and its forward."""
-        inputs = self._prepare(plan.steps, self.requests.apply(plan))
-        self.run_local(inputs, rows)
+        states = self.requests.apply(plan)
+        if plan.steps:
+            self.run_local(self._prepare(plan.steps, states), rows)
 
     def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's part of a step's forward."""

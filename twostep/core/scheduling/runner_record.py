@@ -24,11 +24,7 @@ class RunnerRecord:
             self._blocks[request_id] = min(self._blocks[request_id], num_blocks)
 
     def plan(self, scheduled: list[ScheduledRequest], tables: list[list[int]]) -> StepPlan:
-        """The runner's message for these scheduled requests, whose block tables are `tables`. An
-        empty step keeps what was forgotten for the next plan (a step that runs, which every
-        tensor-parallel rank receives)."""
-        if not scheduled:
-            return StepPlan()
+        """The runner's message for these scheduled requests, whose block tables are `tables`."""
         plan = StepPlan(removed=self._removed)
         self._removed = []
         for s, table in zip(scheduled, tables, strict=True):
