@@ -3,7 +3,6 @@ of each one's block table. From it each step's StepPlan carries only what change
 NewRequestData once, then per-step diffs), and the runner keeps the rest in its own state."""
 from __future__ import annotations
 
-from twostep.core.scheduling.request import Request
 from twostep.core.scheduling.scheduler_output import ScheduledRequest
 from twostep.core.step_outputs import NewRequestData, RequestStep, StepPlan
 
