@@ -181,31 +181,32 @@ Int8Activations to_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stri
 
 }  // namespace
 
-QuantizedActivations quantize_int16(const at::Tensor& x, int64_t group, bool group_sums, bool quads) {
-  const int64_t m = x.size(0), k = x.size(1);
-  QuantizedActivations a;
-  TWOSTEP_DISPATCH_FLOATS(x.scalar_type(), "quantize_activations", [&] {
-    a = to_int16<scalar_t>(x.data_ptr<scalar_t>(), m, k, x.stride(0));
-  });
-  if (group_sums) sum_groups(a, m, k, group);
+template <typename scalar_t>
+QuantizedActivations quantize_int16(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group,
+                                    bool group_sums, bool quads) {
+  QuantizedActivations a = to_int16<scalar_t>(x, rows, k, stride);
+  if (group_sums) sum_groups(a, rows, k, group);
 #ifdef TWOSTEP_AVX2
-  if (quads) expand_quads(a, m, k);
+  if (quads) expand_quads(a, rows, k);
 #else
   (void)quads;
 #endif
   return a;
 }
 
-Int8Activations quantize_int8(const at::Tensor& x, int64_t group) {
-  Int8Activations a;
+template <typename scalar_t>
+Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group) {
 #ifdef TWOSTEP_AVX2
-  TWOSTEP_DISPATCH_FLOATS(x.scalar_type(), "quantize_int8", [&] {
-    a = to_int8<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), group);
-  });
+  return to_int8<scalar_t>(x, rows, k, stride, group);
 #else
-  (void)x, (void)group;
+  (void)x, (void)rows, (void)k, (void)stride, (void)group;
+  return {};
 #endif
-  return a;
 }
+
+#define TWOSTEP_ACTIVATIONS(T)                                                                       \
+  template QuantizedActivations quantize_int16<T>(const T*, int64_t, int64_t, int64_t, int64_t, bool, bool); \
+  template Int8Activations quantize_int8<T>(const T*, int64_t, int64_t, int64_t, int64_t);
+TWOSTEP_FOR_OUTPUTS(TWOSTEP_ACTIVATIONS)
 
 }  // namespace twostep::quant

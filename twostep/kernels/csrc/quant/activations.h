@@ -7,8 +7,6 @@
 
 #include "layout.h"
 
-#include <ATen/core/Tensor.h>
-
 namespace twostep::quant {
 
 // Activations quantized per block of 32: codes, the block's scale, and scale * (sum of the codes)
@@ -29,10 +27,13 @@ struct Int8Activations {
   Buffer<int32_t> half_sums; // [m, k / 16]: the sum of each half block's codes
 };
 
-// x [rows, k] (float32, bf16 or fp16; rows x.stride(0) apart) quantized per block of 32:
-// to int16, with the groups' sums where the weight has mins (group_sums) and the 8-bit panel
-// passes' quads where asked (expand_quads); or to int8 (AVX2 builds)
-QuantizedActivations quantize_int16(const at::Tensor& x, int64_t group, bool group_sums, bool quads);
-Int8Activations quantize_int8(const at::Tensor& x, int64_t group);
+// x [rows, k] (float32, bf16 or fp16; rows `stride` apart) quantized per block of 32: to int16,
+// with the groups' sums where the weight has mins (group_sums) and the 8-bit panel passes' quads
+// where asked; or to int8 (AVX2 builds)
+template <typename scalar_t>
+QuantizedActivations quantize_int16(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group,
+                                    bool group_sums, bool quads);
+template <typename scalar_t>
+Int8Activations quantize_int8(const scalar_t* x, int64_t rows, int64_t k, int64_t stride, int64_t group);
 
 }  // namespace twostep::quant

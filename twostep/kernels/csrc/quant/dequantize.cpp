@@ -106,10 +106,12 @@ void dequantize_into(const Planes& p, const int64_t* ids, int64_t count, scalar_
 
 }  // namespace
 
-void dequantize_planes(const Planes& p, const int64_t* ids, int64_t count, at::Tensor& out) {
-  TWOSTEP_DISPATCH_FLOATS(out.scalar_type(), "dequantize_rows", [&] {
-    with_bits(p.bits, [&](auto bits) { dequantize_into<decltype(bits)::value>(p, ids, count, out.data_ptr<scalar_t>()); });
-  });
+template <typename out_t>
+void dequantize_planes(const Planes& p, const int64_t* ids, int64_t count, out_t* out) {
+  with_bits(p.bits, [&](auto bits) { dequantize_into<decltype(bits)::value>(p, ids, count, out); });
 }
+
+#define TWOSTEP_DEQUANTIZE(T) template void dequantize_planes<T>(const Planes&, const int64_t*, int64_t, T*);
+TWOSTEP_FOR_OUTPUTS(TWOSTEP_DEQUANTIZE)
 
 }  // namespace twostep::quant

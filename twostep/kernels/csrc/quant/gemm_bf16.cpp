@@ -151,15 +151,13 @@ void gemm_bf16_panels(const Planes& p, int64_t n, int64_t m, const at::BFloat16*
 // ukernel: AVX512-BF16 or AMX)
 bool brgemm_bf16_runs() { return brgemm_runs<at::BFloat16>(); }
 
-void panels_gemm_bf16(const Planes& p, const at::Tensor& x, at::Tensor& out) {
-  with_bits(p.bits, [&](auto b) {
-    gemm_bf16_panels<decltype(b)::value>(p, out.size(1), x.size(0), x.data_ptr<at::BFloat16>(), x.stride(0),
-                                         out.data_ptr<at::BFloat16>(), out.stride(0));
-  });
+void panels_gemm_bf16(const Planes& p, int64_t n, int64_t m, const c10::BFloat16* x, int64_t x_stride,
+                      c10::BFloat16* out, int64_t out_stride) {
+  with_bits(p.bits, [&](auto b) { gemm_bf16_panels<decltype(b)::value>(p, n, m, x, x_stride, out, out_stride); });
 }
 #else
 bool brgemm_bf16_runs() { return false; }
-void panels_gemm_bf16(const Planes&, const at::Tensor&, at::Tensor&) { TORCH_CHECK(false, "no gemm_bf16 in this build"); }
+void panels_gemm_bf16(const Planes&, int64_t, int64_t, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t) {}
 #endif
 
 }  // namespace twostep::quant

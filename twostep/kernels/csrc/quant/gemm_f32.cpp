@@ -107,15 +107,13 @@ void gemm_f32_panels(const Planes& p, int64_t n, int64_t m, const float* x, int6
 // whether torch's float brgemm runs here (oneDNN's, where its CPU check passes; else torch's own loop)
 bool brgemm_f32_runs() { return brgemm_runs<float>(); }
 
-void panels_gemm_f32(const Planes& p, const at::Tensor& x, at::Tensor& out) {
-  with_bits(p.bits, [&](auto b) {
-    gemm_f32_panels<decltype(b)::value>(p, out.size(1), x.size(0), x.data_ptr<float>(), x.stride(0),
-                                        out.data_ptr<float>(), out.stride(0));
-  });
+void panels_gemm_f32(const Planes& p, int64_t n, int64_t m, const float* x, int64_t x_stride, float* out,
+                     int64_t out_stride) {
+  with_bits(p.bits, [&](auto b) { gemm_f32_panels<decltype(b)::value>(p, n, m, x, x_stride, out, out_stride); });
 }
 #else
 bool brgemm_f32_runs() { return false; }
-void panels_gemm_f32(const Planes&, const at::Tensor&, at::Tensor&) { TORCH_CHECK(false, "no gemm_f32 in this build"); }
+void panels_gemm_f32(const Planes&, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}
 #endif
 
 }  // namespace twostep::quant

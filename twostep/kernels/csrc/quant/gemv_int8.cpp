@@ -247,15 +247,18 @@ void gemv_int8_formats(const Planes& p, int64_t n, int64_t m, const Int8Activati
 
 }  // namespace
 
-void gemv_int8_panels(const Planes& p, int64_t n, const Int8Activations& a, at::Tensor& out) {
-  TWOSTEP_DISPATCH_FLOATS(out.scalar_type(), "gemv_int8", [&] {
-    gemv_int8_formats(p, n, out.size(0), a, out.data_ptr<scalar_t>(), out.stride(0));
-  });
+template <typename out_t>
+void gemv_int8_panels(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
+  gemv_int8_formats(p, n, m, a, out, stride);
 }
+
 #else
-void gemv_int8_panels(const Planes&, int64_t, const Int8Activations&, at::Tensor&) {
-  TORCH_CHECK(false, "this build has no int8 product (it needs AVX2)");
-}
+template <typename out_t>
+void gemv_int8_panels(const Planes&, int64_t, int64_t, const Int8Activations&, out_t*, int64_t) {}   // (ops.cpp refuses the int8 product without AVX2)
 #endif
+
+#define TWOSTEP_GEMV_INT8_PANELS(T) \
+  template void gemv_int8_panels<T>(const Planes&, int64_t, int64_t, const Int8Activations&, T*, int64_t);
+TWOSTEP_FOR_OUTPUTS(TWOSTEP_GEMV_INT8_PANELS)
 
 }  // namespace twostep::quant

@@ -195,15 +195,18 @@ void gemv_panel_formats(const Planes& p, int64_t n, int64_t m, const QuantizedAc
 
 }  // namespace
 
-void panels_gemv(const Planes& p, int64_t n, const QuantizedActivations& a, at::Tensor& out) {
-  TWOSTEP_DISPATCH_FLOATS(out.scalar_type(), "panels_gemv", [&] {
-    gemv_panel_formats(p, n, out.size(0), a, out.data_ptr<scalar_t>(), out.stride(0));
-  });
+template <typename out_t>
+void panels_gemv(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out, int64_t stride) {
+  gemv_panel_formats(p, n, m, a, out, stride);
 }
+
 #else
-void panels_gemv(const Planes&, int64_t, const QuantizedActivations&, at::Tensor&) {
-  TORCH_CHECK(false, "this build has no product for the panel layout");
-}
+template <typename out_t>
+void panels_gemv(const Planes&, int64_t, int64_t, const QuantizedActivations&, out_t*, int64_t) {}   // (ops.cpp refuses the panel layout without AVX2)
 #endif
+
+#define TWOSTEP_PANELS_GEMV(T) \
+  template void panels_gemv<T>(const Planes&, int64_t, int64_t, const QuantizedActivations&, T*, int64_t);
+TWOSTEP_FOR_OUTPUTS(TWOSTEP_PANELS_GEMV)
 
 }  // namespace twostep::quant

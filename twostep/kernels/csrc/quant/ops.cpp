@@ -5,6 +5,7 @@
 #include "codes.h"
 #include "products.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/record_function.h>
 
 #include <cstring>
@@ -65,22 +66,43 @@ CheckedPlanes checked_call(const at::Tensor& x, const at::Tensor& qs, const c10:
   return c;
 }
 
+// f (with scalar_t) for a tensor of the engine's float types, the ones the products take and give
+#define TWOSTEP_DISPATCH_FLOATS(TYPE, NAME, ...)                                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                          \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// f(t's data as its type), for the products' templates
+template <typename F>
+void with_rows(const at::Tensor& t, F&& f) {
+  TWOSTEP_DISPATCH_FLOATS(t.scalar_type(), "twostep's quantized products", [&] { f(t.data_ptr<scalar_t>()); });
+}
+
 // gemv and gemm_int8 after their checks of the planes: x [M, p.k] and out [M, n] as they say
 void gemv_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
   const int64_t m = x.size(0);
   TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
   TORCH_CHECK(m <= (p.panels ? kPanelCallRows : 8), "gemv takes 1 to ", p.panels ? kPanelCallRows : 8,
               " rows in this layout; got ", m);
-  const QuantizedActivations a = quantize_int16(x, p.group, p.mins != nullptr, p.panels && p.bits == 8 && kQuadPasses);
-  p.panels ? panels_gemv(p, n, a, out) : rows_gemv(p, n, a, out);
+  QuantizedActivations a;
+  with_rows(x, [&](const auto* xs) {
+    a = quantize_int16(xs, m, p.k, x.stride(0), p.group, p.mins != nullptr, p.panels && p.bits == 8 && kQuadPasses);
+  });
+  with_rows(out, [&](auto* o) {
+    p.panels ? panels_gemv(p, n, m, a, o, out.stride(0)) : rows_gemv(p, n, m, a, o, out.stride(0));
+  });
 }
 
 void gemm_int8_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
   TORCH_CHECK(p.bits != 8 || kDpbusd, "this build's int8 product takes 4 to 6-bit codes (8-bit ones need VNNI)");
   TORCH_CHECK(kInt8, "this build has no int8 product (it needs AVX2)");
-  if (x.size(0) == 0) return;
-  const Int8Activations a = quantize_int8(x, p.group);
-  p.panels && x.size(0) < kSmallRows ? gemv_int8_panels(p, n, a, out) : gemm_int8_tiles(p, n, a, out);
+  const int64_t m = x.size(0);
+  if (m == 0) return;
+  Int8Activations a;
+  with_rows(x, [&](const auto* xs) { a = quantize_int8(xs, m, p.k, x.stride(0), p.group); });
+  with_rows(out, [&](auto* o) {
+    p.panels && m < kSmallRows ? gemv_int8_panels(p, n, m, a, o, out.stride(0))
+                               : gemm_int8_tiles(p, n, m, a, o, out.stride(0));
+  });
 }
 
 // out = x . w^T as gemm_int8 (int8) or gemv computes it, for w checked by checked_planes. Through
@@ -103,7 +125,7 @@ void dequantize_rows_planes(const Planes& p, int64_t n, const at::Tensor& ids, a
   const int64_t count = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < count; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < n, "row id out of range");
-  dequantize_planes(p, id, count, out);
+  with_rows(out, [&](auto* o) { dequantize_planes(p, id, count, o); });
 }
 
 // rows `ids` of a part checked by checked_planes into out [ids, k] (the decode stack's embedding
@@ -154,7 +176,9 @@ void gemm_bf16(const at::Tensor& x, const at::Tensor& qs, const OptionalTensor& 
   RECORD_FUNCTION("twostep::quant_gemm_bf16", c10::ArrayRef<c10::IValue>({}));
   const Planes p = brgemm_planes("gemm_bf16", at::kBFloat16, brgemm_bf16_runs(), x, qs, qh, scales, mins, bits,
                                  group, zero, out);
-  if (x.size(0) > 0) panels_gemm_bf16(p, x, out);
+  if (x.size(0) > 0)
+    panels_gemm_bf16(p, out.size(1), x.size(0), x.data_ptr<at::BFloat16>(), x.stride(0), out.data_ptr<at::BFloat16>(),
+                     out.stride(0));
 }
 
 void gemm_f32(const at::Tensor& x, const at::Tensor& qs, const OptionalTensor& qh, const at::Tensor& scales,
@@ -162,7 +186,8 @@ void gemm_f32(const at::Tensor& x, const at::Tensor& qs, const OptionalTensor& q
   RECORD_FUNCTION("twostep::quant_gemm_f32", c10::ArrayRef<c10::IValue>({}));
   const Planes p = brgemm_planes("gemm_f32", at::kFloat, brgemm_f32_runs(), x, qs, qh, scales, mins, bits, group,
                                  zero, out);
-  if (x.size(0) > 0) panels_gemm_f32(p, x, out);
+  if (x.size(0) > 0)
+    panels_gemm_f32(p, out.size(1), x.size(0), x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0));
 }
 
 void dequantize_rows(const at::Tensor& qs, const OptionalTensor& qh, const at::Tensor& scales,
@@ -180,7 +205,9 @@ std::vector<at::Tensor> pack_panels(const at::Tensor& qs, const OptionalTensor& 
   TORCH_CHECK(!p.panels && n % kPanel == 0, "the panel layout takes row-major planes, rows a multiple of 8");
   // [n, groups] -> [n / 8, groups, 8]
   auto interleave = [&](const at::Tensor& t) { return t.reshape({panels, kPanel, groups}).transpose(1, 2).contiguous(); };
-  return {pack_panel_codes(p, n, qs), interleave(scales), mins.has_value() && mins->defined() ? interleave(*mins) : at::Tensor()};
+  at::Tensor codes = qs.new_zeros({panels, k / kBlock, panel_block(p.bits)});
+  pack_panel_codes(p, n, reinterpret_cast<uint8_t*>(codes.data_ptr()));
+  return {codes, interleave(scales), mins.has_value() && mins->defined() ? interleave(*mins) : at::Tensor()};
 }
 
 at::Tensor checked_planes(const at::Tensor& qs, const OptionalTensor& qh, const at::Tensor& scales,

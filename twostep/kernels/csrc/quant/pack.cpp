@@ -40,11 +40,8 @@ inline void pack_panel_row(const Planes& p, int64_t row, int64_t b, int j, uint8
 
 }  // namespace
 
-at::Tensor pack_panel_codes(const Planes& p, int64_t n, const at::Tensor& qs) {
-  const int64_t nb = p.k / kBlock, panels = n / kPanel;
-  const int64_t block_bytes = panel_block(p.bits);
-  at::Tensor out = qs.new_zeros({panels, nb, block_bytes});
-  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
+void pack_panel_codes(const Planes& p, int64_t n, uint8_t* dst) {
+  const int64_t nb = p.k / kBlock, panels = n / kPanel, block_bytes = panel_block(p.bits);
   with_bits(p.bits, [&](auto width) {
     constexpr int BITS = decltype(width)::value;
     at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
@@ -54,7 +51,6 @@ at::Tensor pack_panel_codes(const Planes& p, int64_t n, const at::Tensor& qs) {
             pack_panel_row<BITS>(p, panel * kPanel + j, b, j, dst + (panel * nb + b) * block_bytes);
     });
   });
-  return out;
 }
 
 }  // namespace twostep::quant
