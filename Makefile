@@ -3,8 +3,10 @@
 
 PROMPT ?= What is the capital of France?
 
+# (PYTHONDONTWRITEBYTECODE unset: the first run writes the bytecode of what it imports, which
+# setup.sh leaves to it, so later starts do not compile those modules again)
 run: setup
-	.venv/bin/twostep generate --chat "$(PROMPT)"
+	env -u PYTHONDONTWRITEBYTECODE .venv/bin/twostep generate --chat "$(PROMPT)"
 
 test: setup-test
 	.venv/bin/lint-imports

@@ -11,7 +11,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 req=requirements.txt
 [ "${1:-}" = "--test" ] && req=requirements-test.txt
-pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"; }
+# Without --test, pip byte-compiles nothing (all of torch and transformers: ~40 s of a core); the
+# first run writes the bytecode of the modules it imports (Makefile). The tests byte-compile all.
+compile=--no-compile
+[ "${1:-}" = "--test" ] && compile=--compile
+pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check $compile "$@"; }
 # Torch first: the C++ kernels need only it (and numpy and tqdm, which the package imports), so they
 # compile for this CPU (a few minutes, once; as many at a time as there are cores) while pip installs
 # the rest. --test: also the tests' variants of them.
