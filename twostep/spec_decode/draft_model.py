@@ -65,8 +65,7 @@ class DraftModelProposer:
         items = [self._item(r, r.num_tokens - self._fed[r.request_id].base,
                             self._fed[r.request_id].base) for r, _ in active]
         while items or chunks:
-            steps = items + chunks
-            logits = self.runner.last_logits(self._record.plan(steps, [s.block_ids for s in steps]))[:len(items)]
+            logits = self.runner.last_logits(self._record.plan(items + chunks))[:len(items)]
             chunks = []                  # catch-up chunks only ride along in the first forward
             if not items:
                 break

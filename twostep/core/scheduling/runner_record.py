@@ -22,12 +22,12 @@ class RunnerRecord:
         if request_id in self._blocks:
             self._blocks[request_id] = min(self._blocks[request_id], num_blocks)
 
-    def plan(self, scheduled: list[ScheduledRequest], tables: list[list[int]]) -> StepPlan:
-        """The runner's message for these scheduled requests, whose block tables are `tables`."""
+    def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+        """The runner's message for these scheduled requests (their block_ids set)."""
         plan = StepPlan(removed=self._removed)
         self._removed = []
-        for s, table in zip(scheduled, tables, strict=True):
-            request = s.request
+        for s in scheduled:
+            request, table = s.request, s.block_ids
             rid = request.request_id
             if rid not in self._blocks:
                 plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids,
@@ -37,9 +37,8 @@ class RunnerRecord:
             first = min(self._blocks[rid], len(table))
             self._blocks[rid] = len(table)
             plan.steps.append(RequestStep(
-                rid, s.start, s.input_token_ids(), table[first:], first, len(s.spec_token_ids),
-                s.completes_known_tokens,
-                request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
-                s.spec_draft_probs, s.token_bitmask))
+                rid, s.start, s.input_token_ids(), new_block_ids=table[first:], block_start=first,
+                num_drafts=len(s.spec_token_ids), samples=s.completes_known_tokens,
+                prompt_logprobs_from=request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
+                draft_probs=s.spec_draft_probs, token_bitmask=s.token_bitmask))
         return plan
-

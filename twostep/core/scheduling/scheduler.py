@@ -118,7 +118,7 @@ class Scheduler:
             grammar = s.request.grammar
             if grammar is not None and (s.spec_token_ids or s.completes_known_tokens):
                 s.token_bitmask = grammar.bitmask(s.spec_token_ids)
-        out.plan = self.runner.plan(out.scheduled, [s.block_ids for s in out.scheduled])
+        out.plan = self.runner.plan(out.scheduled)
         return out
 
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
