@@ -3,10 +3,10 @@
 
 PROMPT ?= What is the capital of France?
 
-# (PYTHONDONTWRITEBYTECODE unset: the first run writes the bytecode of what it imports, which
-# setup.sh leaves to it, so later starts do not compile those modules again)
+# (PYTHONDONTWRITEBYTECODE empty, which Python reads as unset: the first run writes the bytecode of
+# what it imports, which setup.sh leaves to it, so later starts do not compile those modules again)
 run: setup
-	env -u PYTHONDONTWRITEBYTECODE .venv/bin/twostep generate --chat "$(PROMPT)"
+	PYTHONDONTWRITEBYTECODE= .venv/bin/twostep generate --chat "$(PROMPT)"
 
 test: setup-test
 	.venv/bin/lint-imports

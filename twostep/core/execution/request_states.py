@@ -25,15 +25,22 @@ class RequestState:
 
     def apply(self, step: RequestStep) -> None:
         """The step's new blocks, and its known tokens past the prompt as outputs (a decode's input
-        is the token sampled last step)."""
+        is the token sampled last step). A runner that does not sample keeps no outputs."""
+        if step.block_start > len(self.block_ids):
+            raise RuntimeError(f"request {step.request_id}: blocks from {step.block_start} sent, the runner has "
+                               f"{len(self.block_ids)}")
         self.block_ids[step.block_start:] = step.new_block_ids
+        if self.params is None:
+            return
         outputs, prompt = self.output_token_ids, self.num_prompt_tokens
         for position in range(max(step.start, prompt), step.start + step.num_known_tokens):
-            token = step.token_ids[position - step.start]
-            if position - prompt < len(outputs):
-                outputs[position - prompt] = token
-            else:
+            index, token = position - prompt, step.token_ids[position - step.start]
+            if index < len(outputs):
+                outputs[index] = token
+            elif index == len(outputs):
                 outputs.append(token)
+            else:
+                raise RuntimeError(f"request {step.request_id}: output {index} sent, the runner has {len(outputs)}")
 
 
 class RequestStates(dict[str, RequestState]):
@@ -53,4 +60,4 @@ class RequestStates(dict[str, RequestState]):
 
 
 def _state(new: NewRequestData) -> RequestState:
-    return RequestState(new.prompt_token_ids, list(new.output_token_ids), new.params, new.generator)
+    return RequestState(new.prompt_token_ids, new.output_token_ids, new.params, new.generator)

@@ -4,9 +4,10 @@ rank 0 broadcasts to them. One torch.distributed group joins them: gloo on CPU, 
 the process's default group, so one engine at a time holds it; shutdown(), dropping the engine, or
 the interpreter's exit frees it for the next.
 
-Per step rank 0 broadcasts the scheduler's plan once (torch.distributed.broadcast_object_list: the
-same StepPlan its own runner receives, less the sampling state, and the rows that need logits);
-each rank's runner applies it to its own state of the requests and runs the same forward, with the all-reduces and the logits gather inside the model
+Per step rank 0 broadcasts the scheduler's plan first (torch.distributed.broadcast_object_list: the
+same StepPlan its own runner receives, less the sampling state, and which logit rows the step
+computes); each rank's runner applies it to its own state of the requests, prepares its inputs and
+runs the same forward, with the all-reduces and the logits gather inside the model
 (distributed/parallel.py). Only rank 0 samples and answers. Each rank has its own paged cache with
 the same block ids, so the scheduler does not know tensor parallelism exists.
 
@@ -153,7 +154,7 @@ class TPGroup:
                 raise WorkerError(f"tensor-parallel worker rank {rank} failed to load: {status}")
 
     @contextlib.contextmanager
-    def step(self, plan: StepPlan, rows: list[int] | None):
+    def step(self, plan: StepPlan, rows: str):
         """Broadcast the step, then run rank 0's part in the with-block: a collective that fails
         or times out names the worker that is gone, or says that none answered in time."""
         self.check()

@@ -8,7 +8,8 @@ from twostep.core.step_outputs import NewRequestData, RequestStep, StepPlan
 
 
 class RunnerRecord:
-    def __init__(self) -> None:
+    def __init__(self, samples: bool = True) -> None:
+        self.samples = samples                # whether the runner samples (needs params and outputs)
         self._blocks: dict[str, int] = {}     # request id -> leading blocks of its table the runner has
         self._removed: list[str] = []         # forgotten since the last plan
 
@@ -30,9 +31,9 @@ class RunnerRecord:
             request, table = s.request, s.block_ids
             rid = request.request_id
             if rid not in self._blocks:
-                plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids,
-                                                        list(request.output_token_ids), request.params,
-                                                        request.generator))
+                plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
+                                                        request.params, request.generator) if self.samples
+                                         else NewRequestData(rid, request.prompt_token_ids, [], None))
                 self._blocks[rid] = 0
             first = min(self._blocks[rid], len(table))
             self._blocks[rid] = len(table)

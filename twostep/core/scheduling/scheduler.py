@@ -63,7 +63,7 @@ class Scheduler:
         self._released: list[str] = []               # finished or preempted, not yet taken
         self.loading: dict[str, Request] = {}        # waiting for their prompt's remote KV blocks
         self.sending: dict[str, Request] = {}        # finished; blocks held for a remote decode
-        self.runner = RunnerRecord()                 # what the model runner holds (each step's plan)
+        self.runner_record = RunnerRecord()          # what the model runner holds (each step's plan)
 
     @property
     def num_preemptions(self) -> int:
@@ -118,7 +118,7 @@ class Scheduler:
             grammar = s.request.grammar
             if grammar is not None and (s.spec_token_ids or s.completes_known_tokens):
                 s.token_bitmask = grammar.bitmask(s.spec_token_ids)
-        out.plan = self.runner.plan(out.scheduled)
+        out.plan = self.runner_record.plan(out.scheduled)
         return out
 
     def _schedule_draft(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
@@ -171,7 +171,7 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.stats.num_preemptions += 1
         self._released.append(request.request_id)
-        self.runner.forget(request.request_id)
+        self.runner_record.forget(request.request_id)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         if request not in out.finished:
             self.waiting.appendleft(request)
@@ -295,7 +295,7 @@ class Scheduler:
             self.spec_stats.record(len(s.spec_token_ids), result.num_accepted)
             request.metrics.spec_decode.record(len(s.spec_token_ids), result.num_accepted)
             self.kv.trim(rid, request.num_computed_tokens)
-            self.runner.trimmed(rid, self.kv.num_blocks_of(rid))
+            self.runner_record.trimmed(rid, self.kv.num_blocks_of(rid))
         tokens = request.all_token_ids
         if result.num_accepted:     # computed now, appended below
             tokens = tokens + s.spec_token_ids[:result.num_accepted]
@@ -356,7 +356,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.requests.pop(request.request_id, None)
         self._released.append(request.request_id)
-        self.runner.forget(rid)
+        self.runner_record.forget(rid)
 
     def _holds_for_remote_decode(self, request: Request, reason: str, stop_reason) -> bool:
         """A producer's request that finished in its own step (not aborted, not cut by a stop

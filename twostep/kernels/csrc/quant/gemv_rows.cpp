@@ -189,7 +189,7 @@ void gemv_bits(const Planes& p, int64_t n, int64_t m, const QuantizedActivations
     case 6: return gemv_rows<BITS, 6>(p, n, a, out, stride);
     case 7: return gemv_rows<BITS, 7>(p, n, a, out, stride);
     case 8: return gemv_rows<BITS, 8>(p, n, a, out, stride);
-    default: return;   // (ops.cpp checks 1 to 8)
+    default: return;   // no rows: nothing to compute (ops.cpp refuses more than 8)
   }
 }
 

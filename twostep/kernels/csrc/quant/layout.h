@@ -69,7 +69,6 @@ struct Planes {
 };
 
 // The most rows one call of the panel layout's passes takes: all of them against a panel while it is
-
 // in L1 (L2 for long rows: an 8-bit panel of k = 4,864 is 39 KB), so the weights stream once a call,
 // not once per 8 rows (Qwen-shape Q8_0 on a Zen 1, 24-32 rows: 1.02-1.10x the calls of 8 rows)
 constexpr int64_t kPanelCallRows = 64;

@@ -138,8 +138,6 @@ void planes_rows(const void* planes, const at::Tensor& ids, at::Tensor& out) {
   dequantize_rows_planes(c.p, c.n, ids, out);
 }
 
-int64_t planes_rows_address() { return reinterpret_cast<int64_t>(&planes_rows); }
-
 // The checks gemm_bf16 and gemm_f32 share (2-D row-major x and out of `type`, the panel layout, a
 // brgemm that runs here) and the weight's planes
 Planes brgemm_planes(const char* name, at::ScalarType type, bool runs, const at::Tensor& x, const at::Tensor& qs,

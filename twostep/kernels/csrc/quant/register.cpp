@@ -1,6 +1,7 @@
 // The library's registration, in one place: torch custom ops (torch.ops.twostep.quant_gemv, ...,
 // seen by the profiler and torch.compile) and the Python module's functions. A test build of the
-// library (kernels/builds.py) registers its own op namespace, so it loads beside the native one.
+// library (KERNELS in kernels/__init__.py) registers its own op namespace, so it loads beside the
+// native one.
 #include "ops.h"
 
 #include <torch/csrc/utils/pybind.h>
