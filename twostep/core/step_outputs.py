@@ -38,6 +38,7 @@ class RequestStep:
     block_start: int = 0
     num_drafts: int = 0
     samples: bool = False                # the step completes its known tokens: sample the next one
+    decode: bool = False                 # one new token past the prompt (plus drafts): decode work
     prompt_logprobs_from: int | None = None  # first prompt position whose logprobs are still owed
     draft_probs: torch.Tensor | None = None  # the drafts' distributions [num_drafts, V] (draft model)
     token_bitmask: torch.Tensor | None = None  # structured outputs: allowed tokens per sampled position

@@ -185,11 +185,8 @@ class ModelRunner:
             # Decodes, and decodes verifying drafts, share one batched attention call per layer.
             is_decode=[s.num_tokens == 1 or s.num_drafts > 0 for s in steps],
         )
-        # a decode batch: one new token past the prompt a request (plus drafts to verify); prompt
-        # chunks and recomputation after preemption are prefill work
-        decodes = all(s.num_known_tokens == 1 and s.start >= state.num_prompt_tokens for s, state in zip(steps, states))
         return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), meta,
-                          sorted({sl // bs for sl in slots}), decodes)
+                          sorted({sl // bs for sl in slots}), all(s.decode for s in steps))
 
     def _logit_rows(self, steps: list[RequestStep], states: list[RequestState],
                     meta: AttentionMetadata) -> _LogitRows:

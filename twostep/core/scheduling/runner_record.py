@@ -39,7 +39,7 @@ class RunnerRecord:
             self._blocks[rid] = len(table)
             plan.steps.append(RequestStep(
                 rid, s.start, s.input_token_ids(), new_block_ids=table[first:], block_start=first,
-                num_drafts=len(s.spec_token_ids), samples=s.completes_known_tokens,
+                num_drafts=len(s.spec_token_ids), samples=s.completes_known_tokens, decode=s.is_decode,
                 prompt_logprobs_from=request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
                 draft_probs=s.spec_draft_probs, token_bitmask=s.token_bitmask))
         return plan

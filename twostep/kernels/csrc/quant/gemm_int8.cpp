@@ -251,13 +251,11 @@ void gemm_int8_bits(const Planes& p, int64_t n, int64_t m, const Int8Activations
 
 template <typename out_t>
 void gemm_int8_formats(const Planes& p, int64_t n, int64_t m, const Int8Activations& a, out_t* out, int64_t stride) {
-  const bool g16 = p.group == 16;
-  switch (p.bits) {
-    case 4: return g16 ? gemm_int8_bits<4, true>(p, n, m, a, out, stride) : gemm_int8_bits<4, false>(p, n, m, a, out, stride);
-    case 5: return g16 ? gemm_int8_bits<5, true>(p, n, m, a, out, stride) : gemm_int8_bits<5, false>(p, n, m, a, out, stride);
-    case 8: if constexpr (kDpbusd) return gemm_int8_bits<8, false>(p, n, m, a, out, stride); else return;
-    default: return g16 ? gemm_int8_bits<6, true>(p, n, m, a, out, stride) : gemm_int8_bits<6, false>(p, n, m, a, out, stride);
-  }
+  with_format(p, [&](auto bits, auto g16) {
+    constexpr int BITS = decltype(bits)::value;
+    // 8-bit codes (groups of 32 or more) only with VNNI: ops.cpp refuses them otherwise
+    if constexpr (BITS != 8 || kDpbusd) gemm_int8_bits<BITS, BITS != 8 && decltype(g16)::value>(p, n, m, a, out, stride);
+  });
 }
 
 }  // namespace

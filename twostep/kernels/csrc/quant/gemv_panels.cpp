@@ -184,13 +184,9 @@ void gemv_panels(const Planes& p, int64_t n, int64_t m, const QuantizedActivatio
 template <typename out_t>
 void gemv_panel_formats(const Planes& p, int64_t n, int64_t m, const QuantizedActivations& a, out_t* out,
                         int64_t stride) {
-  const bool g16 = p.group == 16;
-  switch (p.bits) {
-    case 4: return g16 ? gemv_panels<4, true>(p, n, m, a, out, stride) : gemv_panels<4, false>(p, n, m, a, out, stride);
-    case 5: return g16 ? gemv_panels<5, true>(p, n, m, a, out, stride) : gemv_panels<5, false>(p, n, m, a, out, stride);
-    case 6: return g16 ? gemv_panels<6, true>(p, n, m, a, out, stride) : gemv_panels<6, false>(p, n, m, a, out, stride);
-    default: return g16 ? gemv_panels<8, true>(p, n, m, a, out, stride) : gemv_panels<8, false>(p, n, m, a, out, stride);
-  }
+  with_format(p, [&](auto bits, auto g16) {
+    gemv_panels<decltype(bits)::value, decltype(g16)::value>(p, n, m, a, out, stride);
+  });
 }
 
 }  // namespace

@@ -113,6 +113,15 @@ void with_bits(int64_t bits, F&& f) {
   }
 }
 
+// f(std::integral_constant<int, BITS>, std::bool_constant<G16>) for a weight's code width and
+// whether its groups are 16 weights (the products that take half blocks' scales)
+template <typename F>
+void with_format(const Planes& p, F&& f) {
+  with_bits(p.bits, [&](auto bits) {
+    p.group == 16 ? f(bits, std::true_type{}) : f(bits, std::false_type{});
+  });
+}
+
 // A part's planes, checked once (ops.cpp), with its number of weight rows
 struct CheckedPlanes {
   Planes p;
