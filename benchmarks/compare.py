@@ -1,11 +1,11 @@
 """twostep side by side with HF transformers and llama.cpp, in one process, with the ratios.
 
-    .venv/bin/python benchmarks/make_qwen_shape.py                  # once: Qwen2.5-0.5B shape, HF + GGUF
+    .venv/bin/python benchmarks/make_shape.py                  # once: Qwen2.5-0.5B shape, HF + GGUF
     .venv/bin/python benchmarks/compare.py --mode phases [--reps 5] [--json out.json]
     .venv/bin/python benchmarks/compare.py --mode throughput [--model M] [--num-prompts 8]
 
 phases (the performance issue's targets, on the Qwen2.5-0.5B shape from
-make_qwen_shape.py, bf16): prefill of one --prompt-len prompt (tokens/s from the time to first
+make_shape.py, bf16): prefill of one --prompt-len prompt (tokens/s from the time to first
 token), and decode at each of --batches: --decode-prompt-len-token prompts, --gen tokens each,
 tokens/s over the tokens after the first. Per repetition and phase the engines run back to back
 (twostep, HF, llama.cpp, twostep, ...) because this machine's memory bandwidth drifts; the table
@@ -18,7 +18,7 @@ gives medians over --reps and the ratios.
     `llama-batched-bench -npp P -ntg G -npl B` (decode batch B), all with -t --threads. Binaries
     from $LLAMA_CPP_BIN_DIR or PATH; with only llama-cpp-python
     installed, its eval() for prefill and batch-1 decode. Absent: one line says how to install it.
-    llama.cpp runs the GGUF in its own type (BF16 from make_qwen_shape.py), whatever --dtype says.
+    llama.cpp runs the GGUF in its own type (BF16 from make_shape.py), whatever --dtype says.
 
 throughput (the default, as before there were modes): the first --num-prompts requests of
 nano-vllm's shared workload (input and output lengths uniform in 100..1024, seed 0), ignore EOS.
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-QWEN_SHAPE = "/tmp/twostep-qwen-shape"      # make_qwen_shape.py's default output
+QWEN_SHAPE = "/tmp/twostep-qwen-shape"      # make_shape.py's default output
 GGUF_NAME = "model-bf16.gguf"
 VOCAB = 10000                               # prompt token ids are drawn below this
 LLAMA_CPP_BINS = ("llama-bench", "llama-batched-bench")
@@ -262,7 +262,7 @@ def llama_cpp_peer(gguf: str, threads: int, n_ctx: int):
     if kind == "missing":
         return None, f"not installed ({LLAMA_CPP_HOW})"
     if not os.path.isfile(gguf):
-        return None, f"{kind} found, but no GGUF at {gguf} (benchmarks/make_qwen_shape.py writes it)"
+        return None, f"{kind} found, but no GGUF at {gguf} (benchmarks/make_shape.py writes it)"
     if kind == "bin":
         return LlamaCppBin(where, gguf, threads), f"{where} (llama-bench, llama-batched-bench)"
     try:
@@ -283,7 +283,7 @@ def hf_peer(path: str, dtype: str):
 def run_phases(args) -> dict:
     path = args.model or QWEN_SHAPE
     if not os.path.exists(path):
-        sys.exit(f"{path} not found: run .venv/bin/python benchmarks/make_qwen_shape.py first")
+        sys.exit(f"{path} not found: run .venv/bin/python benchmarks/make_shape.py first")
     gguf = args.gguf or os.path.join(path, GGUF_NAME)
     phases = [Phase(f"prefill {args.prompt_len}", 1, args.prompt_len, 1)] + [
         Phase(f"decode b{b}", b, args.decode_prompt_len, args.gen) for b in args.batches]

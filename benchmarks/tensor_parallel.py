@@ -1,7 +1,7 @@
 """Tensor parallelism on this machine: TP = 2 (two processes, one core each, gloo) against TP = 1 (one
 process, both cores), prefill and decode tokens/s, and the time rank 0 spends in collectives per step.
 
-    .venv/bin/python benchmarks/make_qwen_shape.py                 # once: the Qwen2.5-0.5B shape
+    .venv/bin/python benchmarks/make_shape.py                 # once: the Qwen2.5-0.5B shape
     .venv/bin/python benchmarks/tensor_parallel.py --model /tmp/twostep-qwen-shape --reps 3
 
 Prefill: one 512-token prompt (TTFT). Decode: batch 1, 64 tokens after a 16-token prompt (TPOT).

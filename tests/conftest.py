@@ -56,6 +56,37 @@ ARCH_CONFIGS = {
                                   rope_scaling={"rope_type": "linear", "factor": 2.0})),
     # attention_bias: Llama then has biases on q, k, v and o
     "llama-bias": ("LlamaConfig", dict(num_key_value_heads=4, attention_bias=True)),
+    # a real sliding window, far shorter than the prompts
+    "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8)),
+    # sandwich norms, (1 + w) norms, GELU-tanh, scaled embeddings, a query scale of its own,
+    # alternating windowed and full layers, attention and logit soft-capping (small enough to bite)
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                    sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # q/k norms, a RoPE base of the sliding layers' own, linear scaling on the full ones
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+                                        query_pre_attn_scalar=32, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 10000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 100.0}})),
+    # fused qkv and gate_up in the checkpoint, rotary over half the head
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0)),
+    # LongRoPE within its original context (the short factors), attention factor from `factor`
+    "phi3-longrope": ("Phi3Config", dict(num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                                         rope_scaling={"rope_type": "longrope", "factor": 4.0,
+                                                       "original_max_position_embeddings": 128,
+                                                       "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                       "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+    # every other layer without RoPE
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2)),
+    # norms after the sub-layers, q/k norms over all heads
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    # the four multipliers
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.1, logits_scaling=4.0)),
+    # GLM's sandwich norms, q/k/v biases, fused gate_up, interleaved rotary over half the head
+    "glm4": ("Glm4Config", dict(num_key_value_heads=2, head_dim=32)),
 }
 
 CORPUS = [

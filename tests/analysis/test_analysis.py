@@ -288,3 +288,17 @@ def test_measured_hardware(capsys):
 
     data = json.loads(capsys.readouterr().out)
     assert "measured" in json.dumps(data["hardware"])
+
+
+def test_sliding_window_layers_hold_their_window(capsys):
+    """Gemma 3 1B: 22 of 26 layers attend within 512 tokens, so at 8k a sequence holds
+    (4 x 8192 + 22 x 512) tokens' worth of one layer's K/V instead of 26 x 8192."""
+    a = analyze("gemma-3-1b", dtype="bf16", kv_dtype="bf16", context=8192, concurrency=1)
+    kv = a.model.kv
+    per_layer = 2 * 1 * 256 * 2                                         # K and V, 1 KV head of 256, bf16
+    assert kv.bytes_per_token == 26 * per_layer
+    assert kv.bytes_at(8192) == (4 * 8192 + 22 * 512) * per_layer
+    assert kv.bytes_at(300) == 26 * 300 * per_layer                    # within the window: no saving
+    assert a.memory.kv_bytes == kv.bytes_at(8192)
+    assert main(["analyze", "gemma-3-1b", "--context", "8192"]) == 0
+    assert "sliding window 512 in 22 of 26 layers" in capsys.readouterr().out

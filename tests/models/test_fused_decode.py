@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_all, smollm_path
 from twostep import EngineConfig, LLMEngine, SamplingParams
-from twostep.models.decoder import DecoderLayer
+from twostep.layers.decoder_layer import PreNormLayer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42],
            [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], list(range(60, 100)), [3]]
@@ -75,9 +75,15 @@ def test_a_float32_models_decode_steps_take_the_stack_on_any_cpu(tiny_model_dir,
     assert counted.taken >= PARAMS.max_tokens - 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "phi3", "phi3-longrope",
+            "smollm3", "olmo2", "granite", "glm4"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_decode_stack_is_bit_identical_to_the_layers(tiny_model_dir, arch, dtype):
+    """Every family's blocks write the program (their emit() beside forward()): windows, soft-caps,
+    NoPE layers, two RoPE bases, partial rotary, sandwich and post norms, the multipliers."""
     engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype))
     counted = CountedStack(engine)
     fused = outputs(engine)
@@ -112,7 +118,7 @@ def test_a_decode_steps_logits_come_from_the_stack(tiny_model_dir, kw):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "olmo2"])
 def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
     engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
     method = engine.model.model.layers[0].mlp.down_proj.method
@@ -336,8 +342,8 @@ def test_a_pure_decode_step_runs_no_python_layer(tiny_model_dir, monkeypatch):
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()                                # the prefills, their last tokens too
     calls = []
-    original = DecoderLayer.forward
-    monkeypatch.setattr(DecoderLayer, "forward", lambda *a: calls.append(1) or original(*a))
+    original = PreNormLayer.forward
+    monkeypatch.setattr(PreNormLayer, "forward", lambda *a: calls.append(1) or original(*a))
     assert len(scheduler.running) == 3
     engine.step()                                    # three rows, each decoding one token
     assert calls == []

@@ -339,8 +339,8 @@ def test_rope_freq_factors_are_applied(tmp_path):
     plain = LLM(str(tmp_path / "plain.gguf"), dtype="float32", kv_cache_memory="1MiB")
     scaled = LLM(str(tmp_path / "scaled.gguf"), dtype="float32", kv_cache_memory="1MiB")
     linear8 = RotaryEmbedding(head_dim, 500000.0, RopeScaling("linear", 8.0), 256, torch.device("cpu"))
-    assert torch.allclose(scaled.engine.model.rotary.cos, linear8.cos)
-    assert not torch.allclose(plain.engine.model.rotary.cos, linear8.cos)
+    assert torch.allclose(scaled.engine.model.rotary["global"].cos, linear8.cos)
+    assert not torch.allclose(plain.engine.model.rotary["global"].cos, linear8.cos)
 
 
 # ---------------------------------------------------------------------------------------------------

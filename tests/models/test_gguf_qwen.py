@@ -65,7 +65,7 @@ def test_a_qwen_gguf_runs_as_transformers_runs_its_weights(tiny_model_dir, tmp_p
     hf = load_hf(folder)
     engine = engine_for(path)
     assert engine.model_config.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-    assert engine.model_config.qkv_bias == (arch == "qwen2") and engine.model_config.qk_norm == (arch == "qwen3")
+    assert engine.model_config.qkv_bias == (arch == "qwen2") and (engine.model_config.qk_norm == "head") == (arch == "qwen3")
     prompt = random_prompts([23], seed=5)[0]
     engine.add_request(prompt)
     ours = engine.runner.all_logits(engine.scheduler.schedule().plan)

@@ -52,34 +52,33 @@ def test_batched_greedy_matches_transformers_alone(tiny_model_dir, arch):
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
 
-    from twostep.models.config import ModelConfig
+    from twostep.models.registry import config_from_hf
 
     cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelConfig.from_hf(cfg)
+        config_from_hf(cfg)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="supports"):
         engine_for(tmp_path)
 
 
 def test_unsupported_rope_scaling_is_refused():
-    from twostep.models.config import ModelConfig
+    from twostep.models.registry import config_from_hf
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="llama3, linear"):
-        ModelConfig.from_hf(cfg)
+           "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}
+    with pytest.raises(ValueError, match="llama3, linear, yarn, longrope, dynamic"):
+        config_from_hf(cfg)
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+def test_a_sliding_window_no_longer_caps_max_model_len(tmp_path):
     from conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "m", "mistral", sliding_window=128)
     engine = engine_for(folder)
-    assert engine.max_model_len == 128
-    with pytest.raises(ValueError, match="sliding window"):
-        engine_for(folder, max_model_len=256)
+    assert engine.max_model_len == 512      # max_position_embeddings: the window is attention's, not a limit
+    assert engine_for(folder, max_model_len=256).max_model_len == 256
 
 
 def test_sharded_safetensors_load_identically(tmp_path, tiny_model_dir):
@@ -137,9 +136,9 @@ def test_generation_config_gives_default_sampling(tmp_path):
     ("LlamaForCausalLM", False, False, False),
 ])
 def test_attention_bias_switches(arch, attention_bias, qkv, o):
-    from twostep.models.config import ModelConfig
+    from twostep.models.registry import config_from_hf
 
-    cfg = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 10, "hidden_size": 8,
+    cfg = config_from_hf({"architectures": [arch], "vocab_size": 10, "hidden_size": 8,
                                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
                                "attention_bias": attention_bias})
     assert (cfg.qkv_bias, cfg.o_bias) == (qkv, o)
@@ -151,10 +150,10 @@ def test_missing_config_field_and_unused_tensors_are_refused(tmp_path, tiny_mode
 
     from safetensors.torch import load_file, save_file
 
-    from twostep.models.config import ModelConfig
+    from twostep.models.registry import config_from_hf
 
     with pytest.raises(ValueError, match="num_attention_heads"):
-        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+        config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
                              "intermediate_size": 8, "num_hidden_layers": 1})
     folder = tmp_path / "extra"
     shutil.copytree(tiny_model_dir("llama"), folder)

@@ -195,7 +195,7 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32",
                                     kv_cache_memory="4MiB"))
     norms = [m for m in engine.model.modules() if isinstance(m, RMSNorm)]
-    assert engine.model.rotary.impls["rotary"] is kernel.rotary
+    assert engine.model.rotary["global"].impls["rotary"] is kernel.rotary
     assert norms and all(m.impls["rms_norm"] is kernel.rms_norm and m.impls["add_rms_norm"] is kernel.add_rms_norm
                          for m in norms)
     assert all(m.impls["silu_and_mul"] is kernel.silu_and_mul for m in engine.model.modules()
@@ -204,7 +204,7 @@ def test_engine_uses_the_kernel_on_cpu(tiny_model_dir):
     assert engine.runner.sampler.argmax is kernel.first_argmax       # the greedy pick in one call
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16",
                                     kv_cache_memory="4MiB"))
-    assert engine.model.rotary.impls["rotary"] is kernel.rotary
+    assert engine.model.rotary["global"].impls["rotary"] is kernel.rotary
     assert all(m.impls["rms_norm"] is kernel.rms_norm for m in engine.model.modules() if isinstance(m, RMSNorm))
 
 

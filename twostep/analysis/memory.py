@@ -17,7 +17,7 @@ class MemoryPlan:
     kv_budget: float            # budget - weights; negative when the weights alone do not fit
     context: int
     concurrency: int
-    kv_bytes: int               # k x context x concurrency
+    kv_bytes: int               # k x context x concurrency (a sliding-window layer: its window)
     fits: bool                  # weights + that KV within the budget
     max_tokens: int             # KV tokens that fit in all, over every sequence
     max_context: int            # per sequence, with `concurrency` sequences
@@ -28,11 +28,25 @@ class MemoryPlan:
 def plan_memory(m: ModelStats, budget: int, context: int, concurrency: int) -> MemoryPlan:
     k = m.kv.bytes_per_token
     kv_budget = budget - m.weight_bytes
-    kv_bytes = k * context * concurrency
+    per_sequence = m.kv.bytes_at(context)
+    kv_bytes = per_sequence * concurrency
     max_tokens = int(kv_budget // k) if kv_budget > 0 else 0
     return MemoryPlan(
         budget=budget, weight_bytes=m.weight_bytes, kv_budget=kv_budget, context=context,
         concurrency=concurrency, kv_bytes=kv_bytes, fits=kv_bytes <= kv_budget,
-        max_tokens=max_tokens, max_context=max_tokens // concurrency,
-        max_concurrency=max_tokens // context, model_max_context=m.max_context,
+        max_tokens=max_tokens, max_context=_longest_context(m, kv_budget / concurrency),
+        max_concurrency=int(kv_budget // per_sequence) if kv_budget > 0 else 0, model_max_context=m.max_context,
     )
+
+
+def _longest_context(m: ModelStats, budget: float) -> int:
+    """The longest context whose K/V fits the budget (sliding windows make it grow faster than 1/k)."""
+    if budget <= 0:
+        return 0
+    if not m.kv.windowed:
+        return int(budget // m.kv.bytes_per_token)
+    low, high = 0, 1 << 40
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if m.kv.bytes_at(mid) <= budget else (low, mid - 1)
+    return low

@@ -55,6 +55,14 @@ MODEL_PRESETS = (
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
         "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": true,
         "torch_dtype": "bfloat16"}"""),
+    # five of every six layers attend within 512 tokens
+    ModelPreset("gemma-3-1b", "Gemma-3-1B", "google/gemma-3-1b-it", 1.0e9, """{
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "vocab_size": 262144, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+        "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+        "torch_dtype": "bfloat16"}"""),
 )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from twostep.analysis.model_source import ModelSource
 from twostep.analysis.number_formats import NumberFormat
 from twostep.models.config import ModelConfig
+from twostep.models.registry import config_from_hf, family_named
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +28,18 @@ class KVStats:
     mha_bytes_per_token: int    # the same if every query head had its own K and V
     attention: str              # MHA, GQA or MQA
     saving: float               # mha / k: how many times less KV grouping the heads stores
+    windows: tuple[int | None, ...] = ()    # each layer's sliding window (None: full attention)
+
+    def bytes_at(self, context: int) -> int:
+        """One sequence's K/V at this context: a sliding-window layer holds only its window."""
+        if not self.windows:
+            return self.bytes_per_token * context
+        per_layer = self.bytes_per_token // len(self.windows)
+        return sum(per_layer * min(context, w or context) for w in self.windows)
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.windows)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +65,7 @@ class ModelStats:
 
 def model_stats(source: ModelSource, weights: NumberFormat, kv: NumberFormat,
                 num_params: float | None = None) -> ModelStats:
-    cfg = ModelConfig.from_hf(source.hf_config)
+    cfg = config_from_hf(source.hf_config)
     params = count_params(cfg)
     n = params.total if num_params is None else num_params
     if n <= 0:
@@ -81,9 +94,18 @@ def _layer_params(cfg: ModelConfig) -> int:
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size   # q, k, v in; o out
     attention += (q + 2 * kv) if cfg.qkv_bias else 0
     attention += cfg.hidden_size if cfg.o_bias else 0
-    attention += 2 * cfg.head_dim if cfg.qk_norm else 0                # Qwen3's per-head q/k norms
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size                   # SwiGLU: gate, up, down
-    return attention + mlp + 2 * cfg.hidden_size                        # + the two RMSNorms
+    if cfg.qk_norm == "head":                                           # Qwen3's, Gemma 3's per-head q/k norms
+        attention += 2 * cfg.head_dim
+    elif cfg.qk_norm == "full":                                         # OLMo 2's over all heads
+        attention += q + kv
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size                   # gated: gate, up, down
+    return attention + mlp + _norms_per_layer(cfg) * cfg.hidden_size
+
+
+def _norms_per_layer(cfg: ModelConfig) -> int:
+    layer = family_named(cfg.architecture).model.layer
+    return sum(1 for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm") if name in layer.norm_names)
 
 
 KV_SCALE_BYTES = 2
@@ -96,6 +118,7 @@ def kv_stats(cfg: ModelConfig, fmt: NumberFormat) -> KVStats:
         k += 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
     mha = k * cfg.num_heads // cfg.num_kv_heads
     kind = "MHA" if cfg.num_kv_heads == cfg.num_heads else "MQA" if cfg.num_kv_heads == 1 else "GQA"
+    windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
     return KVStats(format=fmt.name, bytes_per_value=value_bytes, bytes_per_token=k,
                    mha_bytes_per_token=mha, attention=kind,
-                   saving=mha / k)
+                   saving=mha / k, windows=windows if any(windows) else ())

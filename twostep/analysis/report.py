@@ -46,7 +46,18 @@ def _model_lines(m: ModelStats) -> list[str]:
         f"KV heads x ({m.head_dim} x {kv.bytes_per_value} B"
         f"{' + 2 B scale' if kv.bytes_per_value == 1 else ''}) ({kv.format})",
         f"      {kv.attention}: MHA would need {kv.mha_bytes_per_token:,}, {kv.saving:.1f}x as much",
-    ]
+    ] + _window_lines(m)
+
+
+def _window_lines(m: ModelStats, context: int = 8192) -> list[str]:
+    kv = m.kv
+    if not kv.windowed:
+        return []
+    windowed = [w for w in kv.windows if w]
+    full, held = kv.bytes_per_token * context, kv.bytes_at(context)
+    return [f"      sliding window {max(windowed):,} in {len(windowed)} of {m.num_layers} layers: a sequence of "
+            f"{context:,} tokens holds {_size(held)} of K/V, against {_size(full)} with full attention "
+            f"everywhere ({full / held:.1f}x)"]
 
 
 def _phase_table(key: str, points: tuple[PhasePoint, ...], time_label: str, size) -> list[str]:

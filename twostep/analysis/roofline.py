@@ -69,13 +69,13 @@ class PhasePoint:
 
 def prefill_point(m: ModelStats, hw: Hardware, prompt_len: int) -> PhasePoint:
     flops = 2 * m.num_params * prompt_len
-    nbytes = m.weight_bytes + m.kv.bytes_per_token * prompt_len
+    nbytes = m.weight_bytes + m.kv.bytes_at(prompt_len)
     return _point("prefill", prompt_len, 1, flops, nbytes, hw, new_tokens=prompt_len)
 
 
 def decode_point(m: ModelStats, hw: Hardware, context: int, batch: int) -> PhasePoint:
     flops = 2 * m.num_params * batch
-    nbytes = m.weight_bytes + m.kv.bytes_per_token * context * batch
+    nbytes = m.weight_bytes + m.kv.bytes_at(context) * batch
     return _point("decode", context, batch, flops, nbytes, hw, new_tokens=batch)
 
 
@@ -108,6 +108,6 @@ def crossover(m: ModelStats, hw: Hardware, context: int) -> Crossover:
         prefill_min_prompt_len=first_compute_bound(n, b, k, hw.ridge),
         prefill_intensity_limit=2 * n / k,
         decode_context=context,
-        decode_min_batch=first_compute_bound(n, b, k * context, hw.ridge),
-        decode_intensity_limit=2 * n / (k * context),
+        decode_min_batch=first_compute_bound(n, b, m.kv.bytes_at(context), hw.ridge),
+        decode_intensity_limit=2 * n / m.kv.bytes_at(context),
     )

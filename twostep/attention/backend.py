@@ -10,6 +10,7 @@ import torch
 
 from twostep.attention.kv_layer_cache import KVLayerCache, write_kv
 from twostep.attention.metadata import AttentionMetadata
+from twostep.attention.options import AttentionOptions
 
 
 class AttentionBackend(Protocol):
@@ -18,7 +19,7 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVLayerCache, metadata: Any, scale: float) -> torch.Tensor:
+                kv_cache: KVLayerCache, metadata: Any, options: AttentionOptions) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache: one layer's cache -> [T, H, D]."""
         ...
 
@@ -28,7 +29,7 @@ class DecodeAttention(Protocol):
 
     def build(self, common: AttentionMetadata, rows: list[int]) -> Any: ...
 
-    def forward(self, q: torch.Tensor, kv_cache: KVLayerCache, plan: Any, scale: float,
+    def forward(self, q: torch.Tensor, kv_cache: KVLayerCache, plan: Any, options: AttentionOptions,
                 out: torch.Tensor) -> None: ...
 
 
@@ -36,7 +37,7 @@ class PrefillAttention(Protocol):
     """One prompt chunk (row of the batch) at a time, causal over its cached prefix and itself."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVLayerCache,
-                common: AttentionMetadata, row: int, scale: float, out: torch.Tensor) -> None: ...
+                common: AttentionMetadata, row: int, options: AttentionOptions, out: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -61,14 +62,14 @@ class HybridBackend:
         return HybridMetadata(common, prefill_rows, plan)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVLayerCache,
-                metadata: HybridMetadata, scale: float) -> torch.Tensor:
+                metadata: HybridMetadata, options: AttentionOptions) -> torch.Tensor:
         if self.write_values is not None and kv_cache.scales is None:
             self.write_values(kv_cache.values, k, v, metadata.common.slot_mapping)
         else:
             write_kv(kv_cache, k, v, metadata.common.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode is not None:
-            self.decode.forward(q, kv_cache, metadata.decode, scale, out)
+            self.decode.forward(q, kv_cache, metadata.decode, options, out)
         for row in metadata.prefill_rows:
-            self.prefill.forward(q, k, v, kv_cache, metadata.common, row, scale, out)
+            self.prefill.forward(q, k, v, kv_cache, metadata.common, row, options, out)
         return out

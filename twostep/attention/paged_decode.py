@@ -12,6 +12,7 @@ import torch
 
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata, DecodeRows, blocks_for, int64_tensor
+from twostep.attention.options import AttentionOptions
 
 
 @dataclass(slots=True)
@@ -52,8 +53,8 @@ class PagedDecode:
                                          torch.ones(batch, dtype=torch.int64, device=device))
         return self._one_query_each[key]
 
-    def forward(self, q: torch.Tensor, kv_cache: KVLayerCache, plan: PagedDecodePlan, scale: float,
+    def forward(self, q: torch.Tensor, kv_cache: KVLayerCache, plan: PagedDecodePlan, options: AttentionOptions,
                 out: torch.Tensor) -> None:
         o = self.kernel(q, plan.rows.index, plan.query_lens, kv_cache.values, plan.tables,
-                        plan.seq_lens, scale)
+                        plan.seq_lens, options)
         plan.rows.scatter(out, o)

@@ -81,7 +81,8 @@ class LLMEngine:
         self.proposer: Proposer | None = (make_proposer(config, t, self.platform, sampler)
                                           if config.speculative_config else None)
         self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
-        limits = ModelLimits(t.config.vocab_size, self.max_model_len, self.kv_plan.num_tokens,
+        limits = ModelLimits(t.config.vocab_size, self.max_model_len,
+                             self.scheduler.kv.sequence_capacity(config.max_num_batched_tokens),
                              frozenset(self.eos_token_ids))
         self.grammar_compiler = GrammarCompiler(self.tokenizer, t.config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, config, limits, self.device,

@@ -9,6 +9,14 @@ blocks through the cache by chained key and returns the leading hits (never all 
 tokens: the last one is always computed, so its logits exist). After every step,
 cache_full_blocks() registers the blocks that became full and computed, prompt and
 generated tokens alike, so the next turn of a chat hits them too.
+
+Sliding window: where every layer attends within the same window (Mistral, Phi-3 with a window),
+a block whose positions no later query can see is released after the step that passed it
+(release_out_of_window), so a sequence holds at most the window's blocks plus the one being
+filled, however long it grows. Its place in the table becomes the null block (block_ids), so
+positions keep their index; the block stays in the prefix cache until evicted, and a later hit
+needs only the blocks its next query sees (vLLM's sliding-window manager): the leading ones may
+be gone.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from twostep.kv.block_hash import BlockKey, chain_keys
-from twostep.kv.block_pool import BlockPool, KVBlock
+from twostep.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 
 
 @dataclass(slots=True)
@@ -30,9 +38,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
+        """window: every layer's sliding window (None: full attention, or layers that differ)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self._released: dict[str, int] = {}         # leading blocks released out of the window
         self.pool = BlockPool(num_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
@@ -42,26 +54,40 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def sequence_capacity(self, chunk: int) -> int:
+        """The longest sequence the whole cache holds, prefilled `chunk` tokens a step: the cache's
+        tokens, or any length where a window's blocks and a chunk's fit (they are all it holds)."""
+        if self.window is not None and self.blocks_needed(self.window + chunk) + 1 <= self.pool.num_blocks:
+            return 1 << 62
+        return self.pool.num_blocks * self.block_size
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= self.pool.num_blocks
 
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
-                            extra: Hashable = None) -> tuple[list[KVBlock], int]:
+                            extra: Hashable = None) -> tuple[list[KVBlock | None], int]:
         """Leading cached blocks of these tokens and how many tokens they cover. Takes no
-        reference (pass them to allocate_slots, which does) and counts nothing (record_lookup)."""
+        reference (pass them to allocate_slots, which does) and counts nothing (record_lookup).
+        With a window, a hit needs only the blocks the next query sees: those before are None."""
         if not self.enable_prefix_caching:
             return [], 0
         keys = chain_keys(token_ids, self.block_size, self._keys.get(request_id, []), extra)
         self._keys[request_id] = keys
         # Cap at len - 1 tokens: the last token must run through the model for its logits.
         usable = (len(token_ids) - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for key in keys[:usable]:
-            block = self.pool.lookup(key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        cached = [self.pool.lookup(key) for key in keys[:usable]]
+        if self.window is None:
+            n = next((i for i, b in enumerate(cached) if b is None), usable)
+            return cached[:n], n * self.block_size
+        for n in range(usable, 0, -1):          # the longest hit whose window's blocks are all cached
+            first = self._first_needed(n * self.block_size)
+            if all(b is not None for b in cached[first:n]):
+                return [None] * first + cached[first:n], n * self.block_size
+        return [], 0
+
+    def _first_needed(self, position: int) -> int:
+        """The first block a query at `position` sees (every block without a window)."""
+        return 0 if self.window is None else max(0, position - self.window + 1) // self.block_size
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one prefix-cache lookup that was used (the request got its blocks); lookups of
@@ -71,13 +97,16 @@ class KVCacheManager:
             self.prefix_stats.hits += num_hit
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
+                       computed_blocks: Sequence[KVBlock | None] = ()) -> bool:
         """Make the request's table cover num_computed_tokens + num_new_tokens positions,
-        starting from computed_blocks (prefix-cache hits) for a request with no table yet."""
+        starting from computed_blocks (prefix-cache hits; None: a block out of the window) for a
+        request with no table yet."""
         blocks = self._blocks.setdefault(request_id, [])
         if computed_blocks:
             assert not blocks, "prefix hits are only taken before a request's first chunk"
-        have = len(blocks) + len(computed_blocks)
+        skipped = sum(b is None for b in computed_blocks)
+        computed_blocks = [b for b in computed_blocks if b is not None]
+        have = self._released.get(request_id, 0) + skipped + len(blocks) + len(computed_blocks)
         extra = self.blocks_needed(num_computed_tokens + num_new_tokens) - have
         # Evictable hits sit in the free queue: reviving them makes them unavailable.
         revived = sum(b.ref_cnt == 0 for b in computed_blocks)
@@ -85,8 +114,10 @@ class KVCacheManager:
             if not blocks:
                 del self._blocks[request_id]
             return False
-        self.pool.touch(list(computed_blocks))
+        self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
+        if skipped:
+            self._released[request_id] = skipped
         if extra > 0:
             blocks.extend(self.pool.allocate(extra))
         self._num_registered.setdefault(request_id, 0)
@@ -100,16 +131,33 @@ class KVCacheManager:
         blocks = self._blocks.get(request_id)
         if not blocks:
             return
-        full = min(num_computed_tokens // self.block_size, len(blocks))
+        released = self._released.get(request_id, 0)
+        full = min(num_computed_tokens // self.block_size, released + len(blocks))
         start = self._num_registered.get(request_id, 0)
         if full <= start:
             return
         keys = chain_keys(token_ids[:full * self.block_size], self.block_size,
                           self._keys.get(request_id, [])[:full], extra)
         self._keys[request_id] = keys
-        for i in range(start, full):
-            self.pool.cache(blocks[i], keys[i])
+        for i in range(max(start, released), full):
+            self.pool.cache(blocks[i - released], keys[i])
         self._num_registered[request_id] = full
+
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Release the leading blocks no query from position num_computed_tokens on can see (a
+        query at p sees p - window < k <= p); how many. Nothing without a window."""
+        blocks = self._blocks.get(request_id)
+        if self.window is None or not blocks:
+            return 0
+        first_needed = self._first_needed(num_computed_tokens)
+        released = self._released.get(request_id, 0)
+        n = min(first_needed - released, len(blocks) - 1)
+        if n <= 0:
+            return 0
+        self.pool.free(blocks[:n])
+        del blocks[:n]
+        self._released[request_id] = released + n
+        return n
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Release the blocks past the first num_tokens positions (rejected draft tokens'
@@ -118,8 +166,9 @@ class KVCacheManager:
         blocks = self._blocks.get(request_id)
         if not blocks:
             return
-        keep = self.blocks_needed(num_tokens)
-        assert keep >= self._num_registered.get(request_id, 0), "trim would drop a cached block"
+        keep = self.blocks_needed(num_tokens) - self._released.get(request_id, 0)
+        assert keep + self._released.get(request_id, 0) >= self._num_registered.get(request_id, 0), \
+            "trim would drop a cached block"
         if keep < len(blocks):
             self.pool.free(list(reversed(blocks[keep:])))
             del blocks[keep:]
@@ -127,14 +176,20 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first: a suffix is evicted before its prefix."""
         blocks = self._blocks.pop(request_id, [])
+        self._released.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         self._keys.pop(request_id, None)
         self.pool.free(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, [])]
+        """The request's table: a block per position block, the null block where one was released."""
+        return [NULL_BLOCK_ID] * self._released.get(request_id, 0) + [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def table_length(self, request_id: str) -> int:
+        return self._released.get(request_id, 0) + len(self._blocks.get(request_id, []))
 
     def num_blocks_of(self, request_id: str) -> int:
+        """Blocks the request holds."""
         return len(self._blocks.get(request_id, []))
 
     @property

@@ -3,9 +3,13 @@ platform has every kernel it needs: the role CUDA graphs play for vLLM's decode,
 
 Why: at batch 1 a step is ~10 kernel calls a layer, and the Python around each (module calls,
 views, wrappers, the attention plan's indirection) cost as much as a third of a small model's step.
-The stack runs the same registered ops in the same order with the same arguments, so its results
-are bit-identical to the layers' (tests/models/test_fused_decode.py checks it for float32, bf16 and
-quantized weights, with and without q/k norms and biases). It starts from the step's token ids and
+The stack is a program the model's own blocks write at load: each block's emit() sits beside its
+forward() and hands the program the same ops, in the same order, with the same weights (norms,
+linears, the activation, the attention with its per-layer options, residual adds and scales), so
+no family has a layer sequence written twice and a new block is written once, in Python. The
+program runs the same registered ops with the same arguments, so its results are bit-identical to
+the layers' (tests/models/test_fused_decode.py checks it for every family, float32, bf16 and
+quantized weights). It starts from the step's token ids and
 positions (the embedding's and rotary tables' rows) and ends with the final norm and, where the
 step wants every row's logits and the lm_head fuses, the float32 logits: the Python that ran those
 ends would run with the caches just evicted by the step's weight stream.
@@ -14,7 +18,8 @@ It takes a decode batch (platforms/step_kind.py: every row a generated position,
 last token) with one row per sequence (no drafts to verify), at most `max_rows` rows (the fewest any
 linear's matrix-vector path takes; any number where every quantized part takes the int8 product),
 through the attention backend it was built for (the paged decode kernel, an unquantized cache) and
-on one rank. Any other step runs the layers one by one: one model, two ways of driving it.
+on one rank. Any other step runs the layers one by one: one model, one forward, two ways of
+driving it.
 """
 from __future__ import annotations
 
@@ -89,41 +94,94 @@ def _why_not_fused(model, platform: Platform, dtype: torch.dtype, backend: Hybri
     return None
 
 
+class NotFused(Exception):
+    """A block's weights have no form the program can call here."""
+
+
+class ProgramBuilder:
+    """What the model's blocks emit (their emit(), beside their forward()), handed to the C++
+    program with each module's weights in the form it calls."""
+
+    def __init__(self, program, kernel, dtype: torch.dtype, rope_kinds: list[str]) -> None:
+        self.program, self.kernel, self.dtype = program, kernel, dtype
+        self.rope_kinds = rope_kinds
+        self.limits: list[int] = []     # the most rows each linear's fused form takes
+
+    def norm(self, dst: int, src: int, norm) -> None:
+        self.program.norm(dst, src, norm.weight.detach(), norm.eps)
+
+    def add_norm(self, dst: int, src: int, norm) -> None:
+        self.program.add_norm(dst, src, norm.weight.detach(), norm.eps)
+
+    def set_residual(self, src: int) -> None:
+        self.program.set_residual(src)
+
+    def add_residual(self, src: int) -> None:
+        self.program.add_residual(src)
+
+    def scale(self, dst: int, src: int, factor: float) -> None:
+        self.program.scale(dst, src, factor)
+
+    def scale_by(self, dst: int, src: int, factor: torch.Tensor) -> None:
+        self.program.scale_by(dst, src, factor)
+
+    def act(self, dst: int, src: int, kind: str) -> None:
+        self.program.act(dst, src, ACTIVATIONS.index(kind))
+
+    def linear(self, dst: int, src: int, linear) -> None:
+        self.program.linear(dst, src, self.fused(linear))
+
+    def fused(self, linear):
+        fused = linear.method.fused(linear, self.kernel, self.dtype)
+        if fused is None:
+            raise NotFused(f"{linear.method.name} weights have no matrix-vector kernel for {self.dtype} here")
+        if fused[1] is not None:
+            self.limits.append(fused[1])
+        return fused[0]
+
+    def attention(self, dst: int, src: int, attn) -> None:
+        o = attn.options
+        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight.detach(),
+                                                                   attn.k_norm.weight.detach())
+        eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+        self.program.attention(
+            dst, src, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary_dim,
+            QK_NORMS.index(attn.qk_norm), q_norm, k_norm, eps,
+            -1 if attn.rope_kind is None else self.rope_kinds.index(attn.rope_kind),
+            o.scale, o.window or 0, o.softcap or 0.0,
+            None if o.sinks is None else o.sinks.float().contiguous(), attn.layer,
+            self.fused(attn.qkv_proj), self.fused(attn.o_proj))
+
+
+ACTIVATIONS = ["silu", "gelu_tanh"]         # the program's activation numbers
+QK_NORMS = [None, "head", "full"]
+
+
 def _build(model, kernel, backend: HybridBackend, dtype: torch.dtype) -> FusedDecode | None:
     cfg = model.config
-    stack = kernel.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                cfg.head_dim ** -0.5)
-    limits: list[int] = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = []
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            fused = linear.method.fused(linear, kernel, dtype)
-            if fused is None:
-                logger.info("decode steps run layer by layer, not as one call: %s weights have no "
-                            "matrix-vector kernel for %s here", linear.method.name, dtype)
-                return None
-            linears.append(fused[0])
-            if fused[1] is not None:
-                limits.append(fused[1])
-        q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach()
-        k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach()
-        stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                        q_norm, k_norm, *linears)
-    # the embedding's and the rotary tables' rows from the step's ids and positions
+    program = kernel.DecodeProgram()
+    # the embedding's and each rotary table's rows from the step's ids and positions
     embedding = model.model.embed_tokens
     x_dtype = embedding.dtype or embedding.weight.dtype
-    cos, sin = model.rotary.tables(x_dtype)
+    kinds = list(model.rotary)
+    tables = [model.rotary[k].tables(x_dtype) for k in kinds]
+    cos, sin = [c for c, _ in tables], [s for _, s in tables]
     if embedding.quantized is None:
-        stack.set_inputs(cos, sin, embedding.weight.detach(), None, 0, cfg.hidden_size)
+        program.set_inputs(cos, sin, x_dtype, embedding.weight.detach(), None, 0, cfg.hidden_size)
     else:
         fused_rows = getattr(embedding.method, "fused_rows", None)
         rows = None if fused_rows is None else fused_rows(embedding.quantized)
         if rows is None:
             return None
-        stack.set_inputs(cos, sin, None, *rows, cfg.hidden_size)
+        program.set_inputs(cos, sin, x_dtype, None, *rows, cfg.hidden_size)
+    builder = ProgramBuilder(program, kernel, dtype, kinds)
+    try:
+        model.emit(builder, x_dtype)
+    except NotFused as e:
+        logger.info("decode steps run layer by layer, not as one call: %s", e)
+        return None
     # the lm_head too where its method fuses (else the model computes the logits after the call)
     head = model.lm_head.method.fused(model.lm_head, kernel, dtype)
-    stack.set_head(model.model.norm.weight.detach(), None if head is None else head[0])
+    program.set_head(None if head is None else head[0])
     head_rows = 0 if head is None else ANY_ROWS if head[1] is None else head[1]
-    return FusedDecode(stack, min(limits, default=ANY_ROWS), backend, head_rows)
+    return FusedDecode(program, min(builder.limits, default=ANY_ROWS), backend, head_rows)

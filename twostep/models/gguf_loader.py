@@ -1,12 +1,42 @@
-"""Read a llama, qwen2 or qwen3 GGUF file into what a HF checkpoint folder would give us.
+"""Read a GGUF file into what a HF checkpoint folder would give us.
 
-`load_gguf(path, dtype)` returns a `GGUFCheckpoint`: a HF-style config dict, the weights under HF
-parameter names (matrices of Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K kept packed as
-QuantizedWeight, quantization/gguf_blocks.py; other types, and every type with
-keep_quantized=False, dequantised to float32 and cast to `dtype`), a `tokenizers.Tokenizer` built
-from the vocabulary stored in the file, and tokenizer / generation settings. Mistral and SmolLM
-files are llama architecture; qwen2 adds q/k/v biases, qwen3 q/k RMSNorms (and an explicit head
-size). llama.cpp's converter permutes the Q/K rows of llama files only (qwen rotates halves, as HF).
+`load_gguf(path, dtype)` returns a `GGUFCheckpoint`: a HF-style config dict that the family's config
+reader (models/families/) understands, the weights under HF parameter names and in the form the
+family's model loads (what the family's `from_hf` makes of a HF checkpoint; loader.py does not call it
+for a GGUF file), matrices of Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K kept packed as
+QuantizedWeight (quantization/gguf_blocks.py; other types, and every type with keep_quantized=False,
+dequantised to float32 and cast to `dtype`), a `tokenizers.Tokenizer` built from the vocabulary
+stored in the file, and tokenizer / generation settings.
+
+Architectures (`general.architecture`, as llama.cpp's convert_hf_to_gguf.py writes them): llama
+(Mistral and SmolLM2 files are llama too), qwen2, qwen3, smollm3, granite, olmo2, phi3, gemma2,
+gemma3 and glm4, one row each of `_ARCHITECTURES`: the tensors a layer has, how the file's tensors
+differ from the HF checkpoint's, and the metadata keys that become HF config keys. What llama.cpp's
+converter does to them that matters here:
+
+* Q/K rows. llama.cpp rotates adjacent pairs of a head's dims (rope type NORM) for llama, smollm3,
+  granite and glm4, and the two halves of the head (NEOX, HF's rotate_half) for the others. The
+  converter permutes the Q/K rows (weights and biases) of llama, smollm3 and granite files from HF's
+  halves to pairs: undone here. GLM-4's checkpoint itself rotates interleaved pairs, so its file has
+  HF's rows, which are reordered from pairs to halves within each head's rotary dims as the glm4
+  family does for a HF checkpoint (`pairs_to_halves`).
+* Fused projections. phi3 files keep the checkpoint's fused q/k/v (`attn_qkv`) and gate/up (`ffn_up`,
+  gate rows first), glm4 files its gate/up, and a file of any architecture may fuse q/k/v (the
+  converter's --fuse-qkv): they are cut into q/k/v and gate/up rows (packed weights stay packed).
+* Norms. The converter folds Gemma's RMSNorm (1 + w) into the weights (norms, q/k norms, final
+  norm): they are used as they are. `ffn_norm` is the norm in front of the MLP: HF's
+  post_attention_layernorm in pre-norm layers, pre_feedforward_layernorm in the sandwich layers of
+  Gemma and GLM-4, where `post_attention_norm` (HF's post_attention_layernorm, GLM-4's
+  post_self_attn_layernorm) norms attention's output.
+* What the file does not store, llama.cpp derives, and so does this loader: Gemma's query scale
+  (1/sqrt(head size); for the 27B models, 46 and 62 layers, 1/sqrt(hidden / heads)), whatever
+  query_pre_attn_scalar the checkpoint had; Gemma's sliding layers from
+  `attention.sliding_window_pattern`, a period (default 2 for Gemma 2, 6 for Gemma 3: every n-th
+  layer full) or a per-layer list; Gemma 2's soft-caps where absent (50 and 30); SmolLM3's layers
+  without RoPE (every 4th, whatever no_rope_layers the checkpoint had).
+* Phi-3's LongRoPE factors are tensors (rope_factors_short/long), its original context and
+  attention factor metadata keys. Gemma 3 files drop the embedding rows past the tokenizer's real
+  vocabulary: the model's vocab_size is the embedding's row count, not the token list's length.
 
 Choices worth knowing:
 
@@ -22,6 +52,9 @@ Choices worth knowing:
 * Llama 3.x files carry their rope scaling as a `rope_freqs.weight` tensor of per-frequency factors
   (llama.cpp divides each inverse frequency by its factor); it is returned in hf_config as
   `rope_freq_factors`, which the decoder applies the same way.
+* Refused by name rather than run wrongly: an architecture not listed, a tensor the architecture
+  does not have, partial RoPE where the architecture has none, OLMo files with sliding windows
+  (OLMo 3) and GLM-4 files with M-RoPE sections (its vision models).
 """
 from __future__ import annotations
 
@@ -31,8 +64,8 @@ import logging
 import os
 import re
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +75,15 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Tokenizer, processors
 
+from twostep.models.config import FULL, SLIDING
+from twostep.models.families.glm4 import pairs_to_halves
+from twostep.models.family import split_rows
 from twostep.models.gguf_file import GGUFFile, StringArray
+from twostep.models.registry import gguf_families
 from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
 from twostep.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
-
-# GGUF architecture -> (HF architecture, model_type)
-_HF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
-SUPPORTED_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
 
 # Every type gguf.quants can dequantise that llama files commonly use. F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
 # the required set; the Q5 and K-quants come for free from the same gguf.quants call.
@@ -68,29 +97,138 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Tensors that are settings, not weights: read into the config (_hf_config).
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+# llama.cpp's block tensor -> the HF module; an architecture's `names` overrides a row.
 _BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",           # fused: cut into q/k/v (_FUSED)
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # on attention's output (sandwich, post-norm)
+    "ffn_norm": "post_attention_layernorm",     # in front of the MLP: a pre-norm layer's second norm
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",       # qwen3
-    "attn_k_norm": "self_attn.k_norm",
 }
-# The tensors each architecture's layers have: a file with others describes another model.
-_LLAMA_LAYER = [f"{_BLOCK_TENSORS[part]}.weight" for part in (
-    "attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_gate", "ffn_up", "ffn_down", "ffn_norm")]
-_LAYER_TENSORS = {
-    "llama": _LLAMA_LAYER,
-    "qwen2": _LLAMA_LAYER + [f"self_attn.{p}_proj.bias" for p in "qkv"],
-    "qwen3": _LLAMA_LAYER + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"],
+# Fused HF modules -> the projections they stack, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
+_ATTENTION_BIAS = re.compile(r"blk\.\d+\.attn_(q|qkv)\.bias")
+
+
+def _weights(*modules: str) -> tuple[str, ...]:
+    return tuple(f"{m}.weight" for m in modules)
+
+
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_PRE_NORM = _weights(*_ATTENTION, *_MLP, "input_layernorm", "post_attention_layernorm")
+_SANDWICH = _weights(*_ATTENTION, *_MLP, "input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_QKV_BIAS = tuple(f"self_attn.{p}_proj.bias" for p in "qkv")
+_ALL_BIAS = _QKV_BIAS + ("self_attn.o_proj.bias",)      # Llama-style attention_bias: q, k, v and o
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How the files of one GGUF architecture map onto a HF checkpoint of its family."""
+
+    layer: tuple[str, ...]              # every layer's tensors: HF names (module.kind) after unfusing
+    optional: tuple[str, ...] = ()      # attention biases (attention_bias in the config): all or none
+    names: Mapping[str, str] = field(default_factory=dict)     # block tensor -> HF module, over _BLOCK_TENSORS
+    # Q/K rows: "permuted" by the converter from HF's halves to pairs (undone); "pairs" in the
+    # checkpoint itself (GLM-4: reordered to halves); None: halves, as HF's
+    rotary_rows: str | None = None
+    partial_rotary: bool = False        # RoPE may cover the first dims of a head only
+    metadata: Mapping[str, str] = field(default_factory=dict)  # key after "{arch}." -> HF config key
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # HF config values no key overrides
+    # (meta, config so far) -> config entries llama.cpp derives rather than reads; ValueError: refused
+    derive: Callable[[Callable[..., Any], dict], dict] | None = None
+
+
+def _sliding_layers(pattern: int | list, num_layers: int) -> list[bool]:
+    """llama.cpp's `attention.sliding_window_pattern`: a per-layer list, or a period n (every n-th
+    layer full, the others sliding; 0: all sliding)."""
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
+        return [bool(p) for p in pattern]
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+
+
+def _gemma(default_pattern: int, layers_of_27b: int) -> Callable[[Callable[..., Any], dict], dict]:
+    def derive(meta: Callable[..., Any], cfg: dict) -> dict:
+        layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or None
+        sliding = _sliding_layers(meta("attention.sliding_window_pattern", default_pattern), layers) \
+            if window else [False] * layers
+        # the file has no query_pre_attn_scalar: llama.cpp scales by the head size, the 27B models
+        # by hidden / heads (which is what their checkpoints say)
+        big = layers == layers_of_27b
+        return {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+                "sliding_window": window, "layer_types": [SLIDING if s else FULL for s in sliding]}
+    return derive
+
+
+def _phi3(meta: Callable[..., Any], cfg: dict) -> dict:
+    return {"sliding_window": meta("attention.sliding_window", 0) or None}     # 0: none
+
+
+def _smollm3(meta: Callable[..., Any], cfg: dict) -> dict:
+    # llama.cpp's n_no_rope_layer_step, fixed at 4 (SmolLM3's own); no key holds it
+    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])]}
+
+
+def _olmo2(meta: Callable[..., Any], cfg: dict) -> dict:
+    if meta("attention.sliding_window", 0):
+        raise ValueError("sliding-window attention (an OLMo 3 file) is not supported; supported: OLMo 2")
+    return {}
+
+
+def _glm4(meta: Callable[..., Any], cfg: dict) -> dict:
+    if any(meta("rope.dimension_sections", [])):
+        raise ValueError("M-RoPE sections (a GLM-4 vision model) are not supported; supported: GLM-4 text models")
+    return {}
+
+
+_PERMUTED = {"optional": _ALL_BIAS, "rotary_rows": "permuted"}     # llama.cpp's converter's LlamaModel
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm"}
+_GELU = {"hidden_act": "gelu_pytorch_tanh"}
+_ARCHITECTURES = {
+    "llama": _Architecture(_PRE_NORM, **_PERMUTED),
+    "qwen2": _Architecture(_PRE_NORM + _QKV_BIAS),
+    "qwen3": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
+    "smollm3": _Architecture(_PRE_NORM, **_PERMUTED, derive=_smollm3),
+    "granite": _Architecture(_PRE_NORM, **_PERMUTED, metadata={
+        "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+    "olmo2": _Architecture(_weights(*_ATTENTION, *_MLP, *_QK_NORMS, "post_attention_layernorm",
+                                    "post_feedforward_layernorm"), optional=_ALL_BIAS, derive=_olmo2),
+    "phi3": _Architecture(_PRE_NORM, names={"ffn_up": "mlp.gate_up_proj"}, partial_rotary=True, derive=_phi3),
+    "gemma2": _Architecture(
+        _SANDWICH, names=_GEMMA_NORMS, derive=_gemma(2, 46),
+        metadata={"attn_logit_softcapping": "attn_logit_softcapping",
+                  "final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
+        defaults={**_GELU, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096}),
+    "gemma3": _Architecture(
+        _SANDWICH + _weights(*_QK_NORMS), names=_GEMMA_NORMS, derive=_gemma(6, 62),
+        metadata={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
+                  "rope.freq_base_swa": "rope_local_base_freq"},
+        defaults={**_GELU, "rope_local_base_freq": 10000.0}),
+    "glm4": _Architecture(_SANDWICH, optional=_QKV_BIAS, rotary_rows="pairs", partial_rotary=True,
+                          names={**_GEMMA_NORMS, "ffn_up": "mlp.gate_up_proj"}, derive=_glm4),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 # llama.cpp's special-token keys -> our names. eot/eom are end-of-turn markers (Llama 3's <|eot_id|>)
 # that generation must stop at as well as eos.
@@ -194,6 +332,7 @@ def _float32_value(value: float) -> float:
 
 def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> dict:
     arch = _field(reader, "general.architecture", path)
+    spec = _ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = _REQUIRED) -> Any:
         return _field(reader, f"{arch}.{key}", path, default)
@@ -203,14 +342,17 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
     # llama.cpp's defaults: head size is hidden/heads unless stated, RoPE covers the whole head.
     head_dim = meta("attention.key_length", hidden // heads)
     rope_dim = meta("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    partial = rope_dim / head_dim
+    if rope_dim != head_dim and not (spec.partial_rotary and 0 < rope_dim < head_dim and rope_dim % 2 == 0
+                                     and int(head_dim * partial) == rope_dim):
         raise ValueError(f"{path}: partial rotary embeddings (rope dim {rope_dim} of head dim "
-                         f"{head_dim}) are not supported; supported: RoPE over the whole head")
+                         f"{head_dim}) are not supported for {arch}; supported: RoPE over the whole head"
+                         f"{' or an even part of it' if spec.partial_rotary else ''}")
     embedding = _tensor_info(reader, "token_embd.weight", path)
-    hf_architecture, model_type = _HF_ARCHITECTURES[arch]
-    return {
-        "architectures": [hf_architecture],
-        "model_type": model_type,
+    family = gguf_families()[arch]
+    config = {
+        "architectures": [family.hf_architectures[0]],
+        "model_type": family.name,
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
@@ -218,7 +360,7 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": any(_ATTENTION_BIAS.fullmatch(t.name) for t in reader.tensors),
         "mlp_bias": False,
         "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_value(meta("rope.freq_base", 10000.0)),
@@ -232,18 +374,51 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
         "eos_token_id": special["eos"],
         "pad_token_id": special["pad"],
     }
+    if spec.partial_rotary:     # always: GLM-4's reader takes half the head where the key is absent
+        config["partial_rotary_factor"] = partial
+    if (freq_factors := _config_tensor(reader, "rope_freqs.weight")) is not None:
+        config["rope_freq_factors"] = freq_factors
+    config |= spec.defaults
+    for key, hf_key in spec.metadata.items():
+        if (value := meta(key, None)) is not None:
+            config[hf_key] = _float32_value(value) if isinstance(value, float) else value
+    if spec.derive is not None:
+        try:
+            config |= spec.derive(meta, config)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return config
+
+
+def _config_tensor(reader: GGUFFile, name: str) -> list[float] | None:
+    tensor = _tensor_info(reader, name, "", required=False)
+    return None if tensor is None else [float(x) for x in _dequantize(tensor).flatten()]
 
 
 def _rope_scaling(reader: GGUFFile, path: str, arch: str) -> dict | None:
-    """HF rope_scaling from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear)."""
-    kind = _field(reader, f"{arch}.rope.scaling.type", path, None)
-    factor = _field(reader, f"{arch}.rope.scaling.factor", path, None)
-    if kind is None and (old_linear := _field(reader, f"{arch}.rope.scale_linear", path, None)):
+    """HF rope_scaling from llama.cpp's rope.scaling.* keys (or the older rope.scale_linear), or
+    LongRoPE from Phi-3's rope_factors_short/long tensors."""
+    def meta(key: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"{arch}.rope.{key}", path, default)
+
+    long, short = _config_tensor(reader, "rope_factors_long.weight"), _config_tensor(reader, "rope_factors_short.weight")
+    if long is not None or short is not None:
+        if long is None or short is None:
+            raise ValueError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short; "
+                             f"the file has only one")
+        scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                   "original_max_position_embeddings": meta("scaling.original_context_length")}
+        if (attention := meta("scaling.attn_factor", None)) is not None:   # else: from the context ratio
+            scaling["attention_factor"] = _float32_value(attention)
+        return scaling
+    kind = meta("scaling.type", None)
+    factor = meta("scaling.factor", None)
+    if kind is None and (old_linear := meta("scale_linear", None)):
         kind, factor = "linear", old_linear
     if kind in (None, "none") or factor in (None, 0.0, 1.0):
         return None
     scaling = {"rope_type": kind, "factor": _float32_value(factor)}
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length", path, None)
+    original = meta("scaling.original_context_length", None)
     if original:
         scaling["original_max_position_embeddings"] = original
     return scaling
@@ -269,18 +444,55 @@ def _tensor_info(reader: GGUFFile, name: str, path: str, required: bool = True):
     return None
 
 
-def _hf_name(gguf_name: str, path: str, arch: str) -> str:
+def _hf_names(gguf_name: str, path: str, arch: str) -> list[str]:
+    """The HF tensors a GGUF tensor holds: one, or the parts of a fused projection in row order."""
     if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+        return [_GLOBAL_TENSORS[gguf_name]]
+    spec = _ARCHITECTURES[arch]
     match = _BLOCK_TENSOR_NAME.fullmatch(gguf_name)
-    name = None
-    if match is not None and match.group(2) in _BLOCK_TENSORS:
+    names = []
+    if match is not None:
         layer, part, kind = match.groups()
-        name = f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
-    if name is None or name.split(".", 3)[3] not in _LAYER_TENSORS[arch]:
+        module = spec.names.get(part) or _BLOCK_TENSORS.get(part)
+        if module is not None:
+            names = [f"model.layers.{layer}.{m}.{kind}" for m in _FUSED.get(module, (module,))]
+    allowed = set(spec.layer) | set(spec.optional)
+    if not names or any(name.split(".", 3)[3] not in allowed for name in names):
         # Loading around an unknown tensor would run a different model than the file describes.
         raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {arch} GGUF")
-    return name
+    return names
+
+
+def _projection_rows(name: str, config: dict) -> int:
+    """How many rows a projection has in a fused tensor (q, k, v, gate, up)."""
+    module = name.split(".", 3)[3].rsplit(".", 1)[0]
+    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"],
+             "self_attn.v_proj": config["num_key_value_heads"]}
+    return heads[module] * config["head_dim"] if module in heads else config["intermediate_size"]
+
+
+def _unfused(weight: torch.Tensor | QuantizedWeight, names: list[str], config: dict,
+             gguf_name: str, path: str) -> list:
+    if len(names) == 1:
+        return [weight]
+    sizes = [_projection_rows(name, config) for name in names]
+    rows = weight.n if isinstance(weight, QuantizedWeight) else weight.shape[0]
+    if rows != sum(sizes):
+        raise ValueError(f"{path}: tensor {gguf_name!r} has {rows} rows; its parts "
+                         f"{', '.join(n.rsplit('.', 2)[-2] for n in names)} have {sum(sizes)}")
+    return split_rows(weight, sizes)
+
+
+def _rotary_row_order(name: str, rows: int, arch: str, config: dict) -> torch.Tensor | None:
+    """The row order that gives q's or k's rows (weight or bias) the halves HF's rotary rotates;
+    None: already so."""
+    kind = _ARCHITECTURES[arch].rotary_rows
+    if kind is None or name.rsplit(".", 2)[-2] not in ("q_proj", "k_proj"):
+        return None
+    head_dim = config["head_dim"]
+    if kind == "pairs":
+        return pairs_to_halves(rows, head_dim, int(head_dim * config.get("partial_rotary_factor", 1.0)))
+    return _unpermute_rotary_rows(torch.arange(rows), rows // head_dim)
 
 
 def _dequantize(tensor) -> torch.Tensor:
@@ -311,32 +523,27 @@ def _packed(tensor, path: str) -> QuantizedWeight:
 
 def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
                   path: str, arch: str, keep_quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
-    rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    if arch != "llama":
-        rotary_heads = {}       # only llama files have their Q/K rows permuted
     tensors = {}
     for tensor in reader.tensors:
-        if tensor.name in _SKIPPED_TENSORS:
-            config["rope_freq_factors"] = [float(x) for x in _dequantize(tensor).flatten()]
+        if tensor.name in _CONFIG_TENSORS:      # read into the config
             continue
-        name = _hf_name(tensor.name, path, arch)
+        names = _hf_names(tensor.name, path, arch)
         packed = keep_quantized and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2
         weight = _packed(tensor, path) if packed else _dequantize(tensor)
-        projection = name.split(".")[-2]
-        if projection in rotary_heads and name.endswith(".weight"):
-            if packed:
-                order = _unpermute_rotary_rows(torch.arange(weight.n).unsqueeze(1), rotary_heads[projection])
-                weight = weight.rows(order.squeeze(1))
-            else:
-                weight = _unpermute_rotary_rows(weight, rotary_heads[projection])
-        tensors[name] = weight if packed else weight.to(dtype)
-    _check_complete(tensors, config["num_hidden_layers"], path, arch)
+        for name, part in zip(names, _unfused(weight, names, config, tensor.name, path)):
+            order = _rotary_row_order(name, part.n if packed else part.shape[0], arch, config)
+            if order is not None:
+                part = part.rows(order) if packed else part[order]
+            tensors[name] = part if packed else part.to(dtype)
+    _check_complete(tensors, config, path, arch)
     return tensors
 
 
-def _check_complete(tensors: dict[str, torch.Tensor], num_layers: int, path: str, arch: str) -> None:
+def _check_complete(tensors: dict[str, torch.Tensor], config: dict, path: str, arch: str) -> None:
+    spec = _ARCHITECTURES[arch]
+    layer = spec.layer + (spec.optional if config["attention_bias"] else ())
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{part}" for i in range(num_layers) for part in _LAYER_TENSORS[arch]}
+    expected |= {f"model.layers.{i}.{part}" for i in range(config["num_hidden_layers"]) for part in layer}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -12,7 +12,8 @@ import torch
 
 from twostep.models.config import ModelConfig
 from twostep.distributed.parallel import TensorParallel
-from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.causal_lm import CausalLM
+from twostep.models.registry import config_from_hf, family_named
 from twostep.models.sharding import local_config, shard_tensors
 from twostep.models.weights import fuse_projections
 from twostep.quantization.packed import QuantizedWeight
@@ -84,19 +85,22 @@ def load_checkpoint(path: str, dtype: torch.dtype, quantization: str | None = No
     if not (folder / "config.json").is_file():
         raise ValueError(f"{path!r} is neither a .gguf file nor a folder with config.json")
     hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config)
+    config = config_from_hf(hf_config)
     if not (folder / "tokenizer.json").is_file():  # before the weights: fail fast
         raise ValueError(f"{path!r} has no tokenizer.json (twostep reads fast tokenizers only)")
     generation_config = _read_json(folder / "generation_config.json")
-    return _quantize(LoadedCheckpoint(config, _read_safetensors(folder, dtype), str(folder),
-                                      generation_config, path), quantization)
+    tensors = _read_safetensors(folder, dtype)
+    family = family_named(config.architecture)
+    if family.from_hf is not None:      # the family's names and forms (models/families/)
+        tensors = family.from_hf(tensors, config)
+    return _quantize(LoadedCheckpoint(config, tensors, str(folder), generation_config, path), quantization)
 
 
 def _load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool) -> LoadedCheckpoint:
     from twostep.models.gguf_loader import load_gguf
 
     ckpt = load_gguf(path, dtype, keep_quantized)
-    config = ModelConfig.from_hf(ckpt.hf_config)
+    config = config_from_hf(ckpt.hf_config)
     tensors, ckpt.tensors = ckpt.tensors, {}      # held once, by the LoadedCheckpoint
     return LoadedCheckpoint(config, tensors, ckpt, ckpt.generation_config, path)
 
@@ -151,7 +155,7 @@ def _harmless(name: str, config: ModelConfig) -> bool:
         name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def _adopt_quantized(model: DecoderForCausalLM, name: str, weight: QuantizedWeight, path: str) -> None:
+def _adopt_quantized(model: CausalLM, name: str, weight: QuantizedWeight, path: str) -> None:
     """A quantized tensor replaces its module's float weight (which stays on the meta device
     otherwise)."""
     module = model.get_submodule(name.removesuffix(".weight"))
@@ -167,14 +171,14 @@ def num_weights(ckpt: LoadedCheckpoint) -> int:
 
 
 def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int, tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
+                max_positions: int, tp: TensorParallel = TensorParallel()) -> CausalLM:
     """Build on the meta device (no random init), then adopt the checkpoint tensors (this rank's
     share of them under tensor parallelism; ckpt.config becomes the rank's config)."""
     if tp.enabled:
         ckpt.tensors = shard_tensors(ckpt.tensors, ckpt.config, tp)
         ckpt.config = local_config(ckpt.config, tp)
     with torch.device("meta"):
-        model = DecoderForCausalLM(ckpt.config, tp)
+        model = family_named(ckpt.config.architecture).model(ckpt.config, tp)
     expected = set(model.state_dict().keys())
     ckpt.tensors = fuse_projections(ckpt.tensors, ckpt.config.num_layers)
     if ckpt.config.tie_word_embeddings:

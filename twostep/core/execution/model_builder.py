@@ -17,7 +17,7 @@ from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cac
 from twostep.kv.kv_cache_manager import KVCacheManager
 from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
-from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.causal_lm import CausalLM
 from twostep.models.fused_decode import ANY_ROWS, fuse_decode
 from twostep.models.loader import build_model, load_checkpoint, num_weights
 from twostep.platforms import Platform
@@ -64,7 +64,7 @@ class ModelInstance:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
-    model: DecoderForCausalLM
+    model: CausalLM
     kv_plan: KVCachePlan
     kv_manager: KVCacheManager
     runner: ModelRunner
@@ -103,24 +103,20 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
         logger.info("decode steps of %s: the %d layers in one C++ call",
                     "any batch" if rows >= ANY_ROWS else f"up to {rows} rows", shard.num_layers)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
-    kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                config.uniform_window)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,
                          kv_manager, runner, ckpt.tokenizer_source, dict(ckpt.generation_config or {}))
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None, cap: bool = False) -> int:
     limit = config.max_position_embeddings
-    if config.sliding_window is not None and config.sliding_window < limit:
-        logger.info("capping max_model_len at the sliding window (%d): within it attention is "
-                    "exactly full causal", config.sliding_window)
-        limit = config.sliding_window
     if requested is None:
         return limit
     if requested > limit:
         if cap:
             return limit
-        raise ValueError(f"max_model_len {requested} exceeds what the model supports "
-                         f"({limit}{' (sliding window)' if limit == config.sliding_window else ''})")
+        raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
     return requested
 
 

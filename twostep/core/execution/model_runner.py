@@ -24,7 +24,7 @@ from twostep.core.execution.request_states import RequestState, RequestStates
 from twostep.core.step_outputs import ModelRunnerOutput, RequestStep, StepPlan, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
 from twostep.kv_transfer.blocks import scatter_blocks
-from twostep.models.decoder import DecoderForCausalLM
+from twostep.models.causal_lm import CausalLM
 from twostep.platforms.step_kind import decode_batch
 from twostep.sample.rejection_sampler import DraftRow, RejectionSampler
 from twostep.sample.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -60,7 +60,7 @@ class _LogitRows:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVLayerCache], block_size: int,
+    def __init__(self, model: CausalLM, kv_caches: list[KVLayerCache], block_size: int,
                  backend: AttentionBackend, device: torch.device, sampler: Sampler) -> None:
         self.model = model
         self.kv_caches = kv_caches

@@ -295,12 +295,13 @@ class Scheduler:
             self.spec_stats.record(len(s.spec_token_ids), result.num_accepted)
             request.metrics.spec_decode.record(len(s.spec_token_ids), result.num_accepted)
             self.kv.trim(rid, request.num_computed_tokens)
-            self.runner_record.trimmed(rid, self.kv.num_blocks_of(rid))
+            self.runner_record.trimmed(rid, self.kv.table_length(rid))
         tokens = request.all_token_ids
         if result.num_accepted:     # computed now, appended below
             tokens = tokens + s.spec_token_ids[:result.num_accepted]
         self.kv.cache_full_blocks(rid, tokens, request.num_computed_tokens)
         request.metrics.num_kv_blocks = max(request.metrics.num_kv_blocks, self.kv.num_blocks_of(rid))
+        self.kv.release_out_of_window(rid, request.num_computed_tokens)
         if result.prompt_logprobs:
             request.num_prompt_logprobs += len(result.prompt_logprobs)
         # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.

@@ -1,12 +1,14 @@
-// A decode step's decoder layers in one call (models/fused_decode.py): from the step's token ids
-// and positions the embeddings and the rotary tables' rows, then for each layer the input
-// norm (with the residual add), the qkv projection, q/k norms, rotary, the K/V write, paged decode
-// attention, o_proj, the second norm, gate/up, SiLU-and-mul and down, then the final norm and, where
-// the step asks for every row's logits, the lm_head, in the order and through the
-// same registered ops (torch.library, looked up once in the dispatcher) that the Python layers
-// call one by one (models/decoder.py). So the results are bit-identical to theirs, and what is
-// saved is the interpreter: ~40 Python calls, views and tensor wrappers per layer, 1.5-3 ms of a
-// batch-1 step on a 30-layer model.
+// A decode step's decoder layers in one call (models/fused_decode.py): a program of instructions
+// over three registers that the model's blocks write at load, each block's emit() beside its
+// forward() (layers/decoder_layer.py, layers/attention.py, layers/mlp.py, models/causal_lm.py):
+// norms (with the residual add), residual adds and scales, linears, the gated activation, and the
+// attention with its per-layer options. From the step's token ids and positions the program takes
+// the embeddings and each rotary table's rows, runs the instructions, and where the step asks for
+// every row's logits, the lm_head. Every op is the one the Python layers call (torch.library ops
+// looked up once in the dispatcher, or the same ATen ops), with the same arguments in the same
+// order, so the results are bit-identical to theirs; what is saved is the interpreter: ~40 Python
+// calls, views and tensor wrappers per layer, 1.5-3 ms of a batch-1 step on a 30-layer model.
+// No family's layer order is written here: a new block is written once, in Python.
 //
 // A linear is quantized parts (one quant_gemv each into its columns; with int8 activations, from
 // the part's int8 rows, quant_gemm_int8 for the code widths it takes, as the Python layers; both
@@ -20,6 +22,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,7 +45,8 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 using AddRmsNorm = Tensor(const Tensor&, Tensor, const Tensor&, double);
 using RotaryInPlace = void(Tensor, const Tensor&, const Tensor&);
 using WriteKV = void(Tensor, const Tensor&, const Tensor&, const Tensor&);
-using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double);
+using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double, int64_t, double,
+                              std::optional<Tensor>);
 
 // quant/ops.cpp's planes_product: a part's product from its checked planes, not through the
 // dispatcher (read there why)
@@ -131,17 +135,40 @@ class FusedLinear {
   std::optional<c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&)>> linear_bf16_;
 };
 
-struct FusedLayer {
-  Tensor input_norm, post_norm;
+// A decode step's attention, as models/../layers/attention.py's Attention.forward computes it: the
+// qkv projection, q/k norms (per head or over all heads), rotary over the head or its first dims
+// (or none), the K/V write, paged decode attention with the layer's options, o_proj.
+struct FusedAttention {
+  int64_t heads, kv_heads, dim, rotary_dim;
+  int64_t qk_norm;     // 0: none, 1: per head, 2: over all heads
   OptTensor q_norm, k_norm;
-  std::shared_ptr<FusedLinear> qkv, o, gate_up, down;
+  double eps;
+  int64_t rope;        // which of the step's rotary tables; -1: none (NoPE)
+  double scale, softcap;
+  int64_t window;      // 0: none
+  OptTensor sinks;
+  int64_t cache;       // which layer's K/V cache
+  std::shared_ptr<FusedLinear> qkv, o;
 };
 
-class DecoderStack {
+// What the stack runs: registers X (a layer's output), H (scratch) and R (the residual stream),
+// and the instructions the model's blocks emitted at load (each block's emit(), beside its
+// forward(), in layers/decoder_layer.py, layers/attention.py, layers/mlp.py, models/causal_lm.py).
+enum Op : int64_t { NORM, ADD_NORM, SET_RESIDUAL, ADD_RESIDUAL, SCALE, SCALE_BY, LINEAR, ACT, ATTENTION };
+enum Act : int64_t { SILU, GELU_TANH };
+constexpr int64_t kRegisters = 3;
+
+struct Instruction {
+  Op op;
+  int64_t dst, src;
+  int64_t index;       // a norm's weight, a linear, an attention or the activation
+  double value;        // a norm's eps, a scale
+};
+
+class DecodeProgram {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps), scale_(scale),
-        rms_norm_(find_op<Tensor(const Tensor&, const Tensor&, double)>("twostep::rms_norm")),
+  DecodeProgram()
+      : rms_norm_(find_op<Tensor(const Tensor&, const Tensor&, double)>("twostep::rms_norm")),
         add_rms_norm_(find_op<AddRmsNorm>("twostep::add_rms_norm")),
         silu_and_mul_(find_op<Tensor(const Tensor&)>("twostep::silu_and_mul")),
         rotary_(find_op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("twostep::rotary")),
@@ -149,80 +176,138 @@ class DecoderStack {
         write_kv_(find_op<WriteKV>("twostep::write_kv")),
         attention_(find_op<PagedAttention>("twostep::paged_decode_attention")) {}
 
-  void add_layer(Tensor input_norm, Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
-                 std::shared_ptr<FusedLinear> qkv, std::shared_ptr<FusedLinear> o,
-                 std::shared_ptr<FusedLinear> gate_up, std::shared_ptr<FusedLinear> down) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                       std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+  // ---- what the blocks emit -------------------------------------------------------------
+  void norm(int64_t dst, int64_t src, Tensor weight, double eps) {
+    push(NORM, dst, src, add(weights_, std::move(weight)), eps);
+  }
+  // R += src; dst = norm(R)
+  void add_norm(int64_t dst, int64_t src, Tensor weight, double eps) {
+    push(ADD_NORM, dst, src, add(weights_, std::move(weight)), eps);
+  }
+  void set_residual(int64_t src) { push(SET_RESIDUAL, 2, src, 0, 0.0); }
+  void add_residual(int64_t src) { push(ADD_RESIDUAL, 2, src, 0, 0.0); }
+  // dst = src * factor (a Python float, as `x * factor`)
+  void scale(int64_t dst, int64_t src, double factor) { push(SCALE, dst, src, 0, factor); }
+  // dst = src * factor (a 0-dim tensor of src's dtype, as `x * tensor`)
+  void scale_by(int64_t dst, int64_t src, Tensor factor) { push(SCALE_BY, dst, src, add(weights_, std::move(factor)), 0.0); }
+  void linear(int64_t dst, int64_t src, std::shared_ptr<FusedLinear> linear) {
+    linears_.push_back(std::move(linear));
+    push(LINEAR, dst, src, static_cast<int64_t>(linears_.size()) - 1, 0.0);
+  }
+  void act(int64_t dst, int64_t src, int64_t kind) {
+    TORCH_CHECK(kind == SILU || kind == GELU_TANH, "an activation the stack has not: ", kind);
+    push(ACT, dst, src, kind, 0.0);
+  }
+  void attention(int64_t dst, int64_t src, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary_dim,
+                 int64_t qk_norm, OptTensor q_norm, OptTensor k_norm, double eps, int64_t rope, double scale,
+                 int64_t window, double softcap, OptTensor sinks, int64_t cache, std::shared_ptr<FusedLinear> qkv,
+                 std::shared_ptr<FusedLinear> o) {
+    TORCH_CHECK(rope < static_cast<int64_t>(cos_tables_.size()), "rotary table ", rope, " not given (set_inputs)");
+    TORCH_CHECK(qk_norm == 0 || (q_norm.has_value() && k_norm.has_value()), "q/k norms without their weights");
+    attentions_.push_back({heads, kv_heads, dim, rotary_dim, qk_norm, std::move(q_norm), std::move(k_norm), eps, rope,
+                           scale, softcap, window, std::move(sinks), cache, std::move(qkv), std::move(o)});
+    push(ATTENTION, dst, src, static_cast<int64_t>(attentions_.size()) - 1, 0.0);
+    num_caches_ = std::max(num_caches_, cache + 1);
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_instructions() const { return static_cast<int64_t>(program_.size()); }
 
-  // The model's final norm and lm_head, so a step that asks for every row's logits gets them from
-  // this call too (what DecoderForCausalLM.compute_logits computes)
-  void set_head(Tensor final_norm, std::shared_ptr<FusedLinear> lm_head) {
-    final_norm_ = std::move(final_norm);
-    lm_head_ = std::move(lm_head);
-  }
-
+  // The lm_head, so a step that asks for every row's logits gets them from this call too (what
+  // CausalLM.compute_logits computes before the family's transform of them)
+  void set_head(std::shared_ptr<FusedLinear> lm_head) { lm_head_ = std::move(lm_head); }
   bool has_head() const { return lm_head_ != nullptr; }
 
-  // What the model computes before its layers from a step's token ids and positions: the rotary
-  // tables' rows (cos / sin [max_positions, 1, head_dim], in the embeddings' dtype) and the
+  // What the model computes before its layers from a step's token ids and positions: each rotary
+  // table's rows (cos / sin [max_positions, 1, rotary dims], in the embeddings' dtype) and the
   // embedding's rows, of a float table (in the tables' dtype) or of a quantized one (its planes
   // checked by quant_linear's checked_planes, read by planes_rows at rows_address; table: none)
-  void set_inputs(Tensor cos_table, Tensor sin_table, OptTensor table, OptTensor checked, int64_t rows_address,
-                  int64_t hidden) {
-    TORCH_CHECK(cos_table.scalar_type() == sin_table.scalar_type() && table.has_value() != checked.has_value() &&
+  void set_inputs(std::vector<Tensor> cos_tables, std::vector<Tensor> sin_tables, at::ScalarType dtype,
+                  OptTensor table, OptTensor checked, int64_t rows_address, int64_t hidden) {
+    TORCH_CHECK(cos_tables.size() == sin_tables.size() && table.has_value() != checked.has_value() &&
                     (table.has_value() || rows_address != 0),
-                "rotary tables of one dtype, and a float table or a quantized one's planes");
-    cos_table_ = std::move(cos_table);
-    sin_table_ = std::move(sin_table);
+                "cos and sin tables in pairs, and a float table or a quantized one's planes");
+    cos_tables_ = std::move(cos_tables);
+    sin_tables_ = std::move(sin_tables);
+    dtype_ = dtype;
     table_ = std::move(table);
     checked_ = std::move(checked);
     rows_ = checked_.has_value() ? reinterpret_cast<PlanesRows>(rows_address) : nullptr;
     table_planes_ = checked_.has_value() ? checked_->data_ptr() : nullptr;
     hidden_ = hidden;
+    inputs_set_ = true;
   }
 
   // ids, positions [t]: the token ids and positions of t sequences decoding one token each;
   // kv_values: each layer's cache values; slots [t]; q_index [t, 1], q_lens, tables, seq_lens: the
   // paged decode plan.
-  // -> (the final norm's output, and with `logits` float32 logits of every row, as the model's
-  // forward and compute_logits return them; else none).
+  // -> (X after the program: the final norm's output, and with `logits` float32 logits of every
+  // row, as the model's forward and compute_logits return them; else none).
   std::tuple<Tensor, OptTensor> forward(const Tensor& ids, const Tensor& positions,
                                         const std::vector<Tensor>& kv_values, const Tensor& slots,
                                         const Tensor& q_index, const Tensor& q_lens, const Tensor& tables,
                                         const Tensor& seq_lens, bool logits) const {
     RECORD_FUNCTION("twostep::decode_layers", c10::ArrayRef<c10::IValue>({}));
-    TORCH_CHECK(kv_values.size() == layers_.size(), "one cache per layer: ", kv_values.size(), " for ",
-                layers_.size());
-    TORCH_CHECK(cos_table_.defined(), "the stack has no inputs (set_inputs)");
+    TORCH_CHECK(static_cast<int64_t>(kv_values.size()) >= num_caches_, "one cache per layer: ", kv_values.size(),
+                " for ", num_caches_);
+    TORCH_CHECK(inputs_set_, "the stack has no inputs (set_inputs)");
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "ids, positions: [t]");
     at::NoGradGuard no_grad;
-    // the embeddings become the residual stream, updated in place
-    Tensor x = embed(ids.to(at::kLong).contiguous());
-    const Tensor cos = cos_table_.index_select(0, positions), sin = sin_table_.index_select(0, positions);
-    Tensor residual = x;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const FusedLayer& layer = layers_[i];
-      Tensor h = i == 0 ? rms_norm_.call(x, layer.input_norm, eps_)
-                        : add_rms_norm_.call(x, residual, layer.input_norm, eps_);
-      h = attention(layer, h, cos, sin, kv_values[i], slots, q_index, q_lens, tables, seq_lens);
-      h = add_rms_norm_.call(h, residual, layer.post_norm, eps_);
-      x = (*layer.down)(silu_and_mul_.call((*layer.gate_up)(h)));
+    Step step{{}, {}, slots, q_index, q_lens, tables, seq_lens, kv_values};
+    for (size_t i = 0; i < cos_tables_.size(); ++i) {
+      step.cos.push_back(cos_tables_[i].index_select(0, positions));
+      step.sin.push_back(sin_tables_[i].index_select(0, positions));
     }
-    TORCH_CHECK(final_norm_.defined(), "the stack has no final norm (set_head)");
-    Tensor hidden = add_rms_norm_.call(x, residual, final_norm_, eps_);
-    if (!logits) return {hidden, std::nullopt};
-    return {hidden, head(hidden)};
+    Tensor r[kRegisters];
+    r[0] = embed(ids.to(at::kLong).contiguous());
+    for (const Instruction& in : program_) run(in, r, step);
+    if (!logits) return {r[0], std::nullopt};
+    return {r[0], head(r[0])};
   }
 
  private:
-  // the embedding's rows [t, hidden] in the tables' dtype, as the model's Embedding returns them
+  struct Step {
+    std::vector<Tensor> cos, sin;
+    const Tensor &slots, &q_index, &q_lens, &tables, &seq_lens;
+    const std::vector<Tensor>& kv;
+  };
+
+  template <typename T>
+  static int64_t add(std::vector<T>& v, T x) {
+    v.push_back(std::move(x));
+    return static_cast<int64_t>(v.size()) - 1;
+  }
+
+  void push(Op op, int64_t dst, int64_t src, int64_t index, double value) {
+    TORCH_CHECK(0 <= dst && dst < kRegisters && 0 <= src && src < kRegisters, "registers are 0..2");
+    program_.push_back({op, dst, src, index, value});
+  }
+
+  void run(const Instruction& in, Tensor* r, const Step& step) const {
+    Tensor& res = r[2];
+    switch (in.op) {
+      case NORM: r[in.dst] = rms_norm_.call(r[in.src], weights_[in.index], in.value); break;
+      case ADD_NORM: r[in.dst] = add_rms_norm_.call(r[in.src], res, weights_[in.index], in.value); break;
+      case SET_RESIDUAL: res = r[in.src]; break;
+      case ADD_RESIDUAL: res.add_(r[in.src]); break;
+      case SCALE: r[in.dst] = r[in.src] * c10::Scalar(in.value); break;
+      case SCALE_BY: r[in.dst] = r[in.src] * weights_[in.index]; break;
+      case LINEAR: r[in.dst] = (*linears_[in.index])(r[in.src]); break;
+      case ACT: r[in.dst] = activation(r[in.src], in.index); break;
+      case ATTENTION: r[in.dst] = run_attention(attentions_[in.index], r[in.src], step); break;
+    }
+  }
+
+  // layers/activation.py: silu_and_mul through its op, GELU-tanh as its native torch ops
+  Tensor activation(const Tensor& x, int64_t kind) const {
+    if (kind == SILU) return silu_and_mul_.call(x);
+    const std::vector<Tensor> halves = x.chunk(2, -1);
+    return at::gelu(halves[0], "tanh") * halves[1];
+  }
+
+  // the embedding's rows [t, hidden] in the model's dtype, as the model's Embedding returns them
   Tensor embed(const Tensor& ids) const {
-    if (table_.has_value()) return table_->index_select(0, ids).to(cos_table_.scalar_type());
-    Tensor rows = at::empty({ids.size(0), hidden_}, cos_table_.options());
+    if (table_.has_value()) return table_->index_select(0, ids).to(dtype_);
+    Tensor rows = at::empty({ids.size(0), hidden_}, at::TensorOptions().dtype(dtype_));
     rows_(table_planes_, ids, rows);
     return rows;
   }
@@ -234,36 +319,64 @@ class DecoderStack {
     return (*lm_head_)(hidden).to(at::kFloat);
   }
 
-  Tensor attention(const FusedLayer& layer, const Tensor& h, const Tensor& cos, const Tensor& sin,
-                   const Tensor& kv, const Tensor& slots, const Tensor& q_index, const Tensor& q_lens,
-                   const Tensor& tables, const Tensor& seq_lens) const {
-    const int64_t t = h.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
-    Tensor qkv = (*layer.qkv)(h);
-    Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, dim_});
-    Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, dim_});
-    const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, dim_});
-    if (layer.q_norm.has_value()) {
-      q = rotary_.call(rms_norm_.call(q, *layer.q_norm, eps_), cos, sin);
-      k = rotary_.call(rms_norm_.call(k, *layer.k_norm, eps_), cos, sin);
-    } else {          // q's and k's heads side by side: rotated in place, in one call
-      rotary_inplace_.call(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
-    }
-    write_kv_.call(kv, k, v, slots);
-    // in q's dtype both ways (the kernel reads 16-bit rows into float32 and writes its output back rounded)
-    const Tensor o = attention_.call(q.contiguous(), q_index, q_lens, kv, tables, seq_lens, scale_);
-    return (*layer.o)(o.view({t, q_size}));
+  // rotate the first `dims` dims of heads [t, n, D] in place (the tables' rows are `dims` wide)
+  void rotate_in_place(const Tensor& heads, int64_t dims, const Tensor& cos, const Tensor& sin) const {
+    rotary_inplace_.call(dims == heads.size(2) ? heads : heads.narrow(2, 0, dims), cos, sin);
   }
 
-  int64_t heads_, kv_heads_, dim_;
-  double eps_, scale_;
-  std::vector<FusedLayer> layers_;
-  Tensor final_norm_;
+  Tensor run_attention(const FusedAttention& a, const Tensor& h, const Step& step) const {
+    const int64_t t = h.size(0), q_size = a.heads * a.dim, kv_size = a.kv_heads * a.dim;
+    const bool rope = a.rope >= 0, partial = a.rotary_dim < a.dim;
+    const Tensor no_table;
+    const Tensor& cos = rope ? step.cos[a.rope] : no_table;
+    const Tensor& sin = rope ? step.sin[a.rope] : no_table;
+    Tensor qkv = (*a.qkv)(h);
+    Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, a.kv_heads, a.dim});
+    if (a.qk_norm == 2) {            // over all heads, then the heads rotated in place
+      q = rms_norm_.call(q, *a.q_norm, a.eps).view({t, a.heads, a.dim});
+      k = rms_norm_.call(k, *a.k_norm, a.eps).view({t, a.kv_heads, a.dim});
+      if (rope) {
+        rotate_in_place(q, a.rotary_dim, cos, sin);
+        rotate_in_place(k, a.rotary_dim, cos, sin);
+      }
+    } else if (a.qk_norm == 1) {     // per head
+      q = rms_norm_.call(q.view({t, a.heads, a.dim}), *a.q_norm, a.eps);
+      k = rms_norm_.call(k.view({t, a.kv_heads, a.dim}), *a.k_norm, a.eps);
+      if (rope && !partial) {
+        q = rotary_.call(q, cos, sin);
+        k = rotary_.call(k, cos, sin);
+      } else if (rope) {
+        rotate_in_place(q, a.rotary_dim, cos, sin);
+        rotate_in_place(k, a.rotary_dim, cos, sin);
+      }
+    } else {                         // q's and k's heads side by side: rotated in place, in one call
+      q = q.view({t, a.heads, a.dim});
+      k = k.view({t, a.kv_heads, a.dim});
+      if (rope) rotate_in_place(qkv.narrow(1, 0, q_size + kv_size).view({t, a.heads + a.kv_heads, a.dim}),
+                                a.rotary_dim, cos, sin);
+    }
+    const Tensor& kv = step.kv[a.cache];
+    write_kv_.call(kv, k, v, step.slots);
+    // in q's dtype both ways (the kernel reads 16-bit rows into float32 and writes its output back rounded)
+    const Tensor o = attention_.call(q.contiguous(), step.q_index, step.q_lens, kv, step.tables, step.seq_lens,
+                                     a.scale, a.window, a.softcap, a.sinks);
+    return (*a.o)(o.view({t, q_size}));
+  }
+
+  std::vector<Instruction> program_;
+  std::vector<Tensor> weights_;
+  std::vector<std::shared_ptr<FusedLinear>> linears_;
+  std::vector<FusedAttention> attentions_;
+  int64_t num_caches_ = 0;
   std::shared_ptr<FusedLinear> lm_head_;
-  Tensor cos_table_, sin_table_;
+  std::vector<Tensor> cos_tables_, sin_tables_;
+  at::ScalarType dtype_ = at::kFloat;
   OptTensor table_, checked_;
   PlanesRows rows_ = nullptr;
   const void* table_planes_ = nullptr;   // checked_'s bytes, as QuantPart keeps its planes
   int64_t hidden_ = 0;
+  bool inputs_set_ = false;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm_;
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
@@ -282,14 +395,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_quantized", &FusedLinear::add_quantized, "one quantized part (its planes and format)")
       .def("set_weight", &FusedLinear::set_weight, "a float weight [out, in], bf16_gemv: through linear_bf16")
       .def("__call__", &FusedLinear::operator());
-  py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double>())
-      .def("add_layer", &DecoderStack::add_layer)
-      .def("num_layers", &DecoderStack::num_layers)
-      .def("set_head", &DecoderStack::set_head, "the final norm's weight and the lm_head (None: no logits here)")
-      .def("has_head", &DecoderStack::has_head)
-      .def("set_inputs", &DecoderStack::set_inputs,
-           "the rotary tables, and a float embedding table or a quantized one's checked planes and planes_rows")
-      .def("forward", &DecoderStack::forward, "every decoder layer of a decode step",
+  py::class_<DecodeProgram>(m, "DecodeProgram")
+      .def(py::init<>())
+      .def("norm", &DecodeProgram::norm)
+      .def("add_norm", &DecodeProgram::add_norm, "R += src; dst = norm(R)")
+      .def("set_residual", &DecodeProgram::set_residual)
+      .def("add_residual", &DecodeProgram::add_residual)
+      .def("scale", &DecodeProgram::scale)
+      .def("scale_by", &DecodeProgram::scale_by)
+      .def("linear", &DecodeProgram::linear)
+      .def("act", &DecodeProgram::act, "0: SiLU-and-mul, 1: GELU-tanh-and-mul")
+      .def("attention", &DecodeProgram::attention)
+      .def("num_instructions", &DecodeProgram::num_instructions)
+      .def("set_head", &DecodeProgram::set_head, "the lm_head (None: no logits here)")
+      .def("has_head", &DecodeProgram::has_head)
+      .def("set_inputs", &DecodeProgram::set_inputs,
+           "the rotary tables, the dtype, and a float embedding table or a quantized one's checked planes and planes_rows")
+      .def("forward", &DecodeProgram::forward, "every decoder layer of a decode step",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -10,14 +10,19 @@ import torch
 
 
 def paged_decode_attention(kernel, dtype: torch.dtype, quantized_kv: bool) -> Callable | None:
-    """fn(q [T, H, D], index [B, Q], query_lens [B], kv_values, tables [B, n], seq_lens [B], scale)
+    """fn(q [T, H, D], index [B, Q], query_lens [B], kv_values, tables [B, n], seq_lens [B], options)
     -> [B * Q, H, D] in q's dtype (float32, bf16 or fp16), or None where the kernel does not
-    apply. The math is float32 either way."""
+    apply. The math is float32 either way. options: the layer's attention/options.py (scale, sliding
+    window, soft cap, sinks), every one of them honoured by the kernel."""
     if kernel is None or quantized_kv or dtype not in (torch.float32, torch.bfloat16):
         return None
 
-    def run(q, index, query_lens, values, tables, seq_lens, scale):
-        o = kernel.paged_decode_attention(q.contiguous(), index, query_lens, values, tables, seq_lens, scale)
+    def run(q, index, query_lens, values, tables, seq_lens, options):
+        sinks = options.sinks
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+        o = kernel.paged_decode_attention(q.contiguous(), index, query_lens, values, tables, seq_lens,
+                                          options.scale, options.window or 0, options.softcap or 0.0, sinks)
         return o.view(-1, *q.shape[1:])
 
     return run

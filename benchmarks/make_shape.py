@@ -1,17 +1,23 @@
-"""A random-initialised model with the real Qwen2.5-0.5B shape: an HF folder and a BF16 GGUF.
+"""A random-initialised model with a real model's shape: an HF folder and a BF16 GGUF.
 
-    .venv/bin/python benchmarks/make_qwen_shape.py [--out /tmp/twostep-qwen-shape]
+    .venv/bin/python benchmarks/make_shape.py [--shape qwen2.5-0.5b] [--out /tmp/twostep-qwen-shape]
+    .venv/bin/python benchmarks/make_shape.py --shape gemma-3-1b       # /tmp/twostep-gemma3-shape
+
+Shapes: Qwen2.5-0.5B (the default), and Gemma 3 1B (26 layers, 22 of them attending within 512
+tokens, one KV head of 256, a 262,144-token vocabulary).
 
 Writes, seeded and only what is not there yet:
   OUT/config.json, model.safetensors (bf16), tokenizer.json ...   for twostep and HF transformers
   OUT/model-bf16.gguf                                             for llama.cpp
 No download: the weights are random (performance does not depend on their values) and the
 tokenizer is a synthetic byte-level BPE with Qwen2's pre-tokenizer and Qwen2's vocabulary size
-(151,643 tokens plus its 3 special tokens; the embedding has 151,936 rows, like Qwen's).
+(151,643 tokens plus its 3 special tokens; the embedding has 151,936 rows, like Qwen's; Gemma's:
+262,141 plus 3, 262,144 rows).
 The GGUF comes from llama.cpp's own convert_hf_to_gguf.py (the one in the llama-cpp-python
 sdist, --llama-cpp-src). That converter identifies a BPE tokenizer by hashing how it tokenizes
 a probe string; a synthetic vocabulary cannot match Qwen2's hash, so the converter runs with
-its pre-tokenizer detection answering "qwen2", which is what this tokenizer's pre-tokenizer is.
+its pre-tokenizer detection answering "qwen2", which is what this tokenizer's pre-tokenizer is,
+and (Gemma, whose converter expects a sentencepiece model) its vocabulary written the GPT-2 way.
 """
 from __future__ import annotations
 
@@ -21,10 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT_OUT = "/tmp/twostep-qwen-shape"
 GGUF_NAME = "model-bf16.gguf"
-NUM_REGULAR_TOKENS = 151643
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 151643.. as in Qwen2
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # the last ids, as in Qwen2
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Run the converter with its pre-tokenizer detection answering "qwen2" (see the docstring).
@@ -35,6 +39,12 @@ src = script.rsplit("/", 1)[0]
 sys.path[:0] = [src, src + "/gguf-py"]
 import conversion.base
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+model_class = conversion.get_model_class
+def gpt2_vocabulary(name, mmproj=False):
+    cls = model_class(name, mmproj)
+    cls.set_vocab = conversion.base.TextModel._set_vocab_gpt2
+    return cls
+conversion.get_model_class = gpt2_vocabulary
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 """
@@ -50,9 +60,28 @@ def qwen_shape_config():
         bos_token_id=151643, eos_token_id=151643, dtype="bfloat16")
 
 
-def synthetic_tokenizer():
+def gemma3_shape_config():
+    from transformers import Gemma3TextConfig
+
+    special = 262144 - len(SPECIAL_TOKENS)
+    return Gemma3TextConfig(
+        hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True, query_pre_attn_scalar=256,
+        sliding_window=512, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=special, eos_token_id=special,
+        pad_token_id=special, dtype="bfloat16")
+
+
+# name -> (its config, the regular tokens of its vocabulary, the default folder)
+SHAPES = {
+    "qwen2.5-0.5b": (qwen_shape_config, 151643, "/tmp/twostep-qwen-shape"),
+    "gemma-3-1b": (gemma3_shape_config, 262144 - len(SPECIAL_TOKENS), "/tmp/twostep-gemma3-shape"),
+}
+
+
+def synthetic_tokenizer(num_regular: int):
     """Byte-level BPE: the 256 byte symbols, all their pairs, then pair+byte triples up to
-    NUM_REGULAR_TOKENS; Qwen2's pre-tokenizer, normaliser and decoder."""
+    num_regular tokens; Qwen2's pre-tokenizer, normaliser and decoder."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -69,7 +98,7 @@ def synthetic_tokenizer():
     pairs = list(vocab)[len(alphabet):]
     for ab in pairs:
         for c in alphabet:
-            if len(vocab) == NUM_REGULAR_TOKENS:
+            if len(vocab) == num_regular:
                 break
             add(ab, c)
     tok = Tokenizer(models.BPE(vocab, merges))
@@ -82,14 +111,15 @@ def synthetic_tokenizer():
     return tok
 
 
-def write_hf_folder(out: Path, seed: int) -> None:
+def write_hf_folder(out: Path, shape: str, seed: int) -> None:
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    config, num_regular, _ = SHAPES[shape]
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(qwen_shape_config()).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config()).to(torch.bfloat16)
     model.save_pretrained(out)
-    PreTrainedTokenizerFast(tokenizer_object=synthetic_tokenizer(), eos_token="<|endoftext|>",
+    PreTrainedTokenizerFast(tokenizer_object=synthetic_tokenizer(num_regular), eos_token="<|endoftext|>",
                             pad_token="<|endoftext|>").save_pretrained(out)
 
 
@@ -106,18 +136,19 @@ def write_gguf(out: Path, llama_cpp_src: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--out", default=None, help="default: /tmp/twostep-<shape>-shape")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-cpp-src", default=os.environ.get("LLAMA_CPP_SRC"),
                     help="llama.cpp source tree with convert_hf_to_gguf.py")
     ap.add_argument("--no-gguf", action="store_true", help="only the HF folder")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or SHAPES[args.shape][2])
     if all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         print(f"{out}: HF folder already there")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        write_hf_folder(out, args.seed)
+        write_hf_folder(out, args.shape, args.seed)
         print(f"{out}: HF folder written")
     if args.no_gguf:
         return

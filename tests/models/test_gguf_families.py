@@ -1,0 +1,294 @@
+"""GGUF files of the families beyond llama and qwen (gemma2, gemma3, phi3, smollm3, olmo2, granite,
+glm4, and llama with attention biases), written by llama.cpp's own converter from tiny random HF
+models: in f32 they run as transformers (and twostep) run the HF checkpoint; their Q8_0 files (the
+converter's) and Q4_0 files (llama-quantize's) run as the same file dequantized at load.
+
+The converter, $LLAMA_CPP_SRC/convert_hf_to_gguf.py, runs unchanged but for the vocabulary: the tiny
+models' BPE tokenizer has a pre-tokenizer hash it does not know (it raises), and its Gemma 2 and
+Phi-3 writers want a sentencepiece model, so every family's vocabulary is written the converter's
+GPT-2 way (`_set_vocab_gpt2`, pre-tokenizer "gpt-2", which is what the tiny tokenizer is). Tensors
+and metadata are the converter's own.
+
+A setting a GGUF file cannot hold is built into the tiny model with the value llama.cpp assumes
+(CASES): Gemma 2's query_pre_attn_scalar (llama.cpp scales by the head size), Gemma 3's layer
+pattern (the converter writes none: every 6th layer full), SmolLM3's NoPE layers (every 4th), and
+Phi-3's LongRoPE attention factor (the converter computes it from max / original context, HF from
+`factor`: made to agree). The Gemma 3 converter drops the embedding rows past the tokenizer's real
+vocabulary (371 of 384 here), so its greedy tokens are compared with transformers' over those rows.
+
+Without $LLAMA_CPP_SRC the conversion tests skip; without llama-quantize ($LLAMA_CPP_BIN_DIR) the
+Q4_0 ones do. The refusal tests at the end write their files with the gguf package and need neither.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB, engine_for, load_hf, make_tiny_model, random_prompts
+from twostep import SamplingParams
+from twostep.models.gguf_loader import SUPPORTED_ARCHITECTURES, load_gguf
+from twostep.quantization.packed import QuantizedWeight
+
+# case -> (ARCH_CONFIGS key, overrides a GGUF file can express, engine settings)
+CASES = {
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 32}, {}),
+    "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}, {}),
+    "phi3": ("phi3", {}, {}),
+    # the short factors: a context within the original 128 positions, as transformers' for these prompts
+    "phi3-longrope": ("phi3-longrope", {"max_position_embeddings": 512, "original_max_position_embeddings": 128},
+                      {"max_model_len": 128}),
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4, "no_rope_layers": None}, {}),
+    "olmo2": ("olmo2", {}, {}),
+    "granite": ("granite", {}, {}),
+    "glm4": ("glm4", {}, {}),
+    "llama-bias": ("llama-bias", {}, {}),     # Q/K biases permuted by the converter like the weights
+}
+PROMPT_LENGTHS = [5, 17, 40]
+NEW_TOKENS = 16
+
+# llama.cpp's converter with the vocabulary written the GPT-2 way; argv: source folder, JSON list of
+# [model folder, output file, outtype]. One process for all: torch and transformers load once.
+_CONVERT = r"""
+import json, runpy, sys
+src, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion
+from conversion.base import TextModel
+model_class = conversion.get_model_class
+def gpt2_vocabulary(name, mmproj=False):
+    cls = model_class(name, mmproj)
+    cls.set_vocab = TextModel._set_vocab_gpt2
+    return cls
+conversion.get_model_class = gpt2_vocabulary
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+for folder, outfile, outtype in jobs:
+    sys.argv = [src + "/convert_hf_to_gguf.py", folder, "--outfile", outfile, "--outtype", outtype]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _llama_cpp_src() -> Path:
+    src = os.environ.get("LLAMA_CPP_SRC")
+    if not src:
+        pytest.skip("LLAMA_CPP_SRC is not set: llama.cpp's source (convert_hf_to_gguf.py) converts the models")
+    if not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"LLAMA_CPP_SRC={src} has no convert_hf_to_gguf.py")
+    return Path(src)
+
+
+def _llama_quantize() -> Path:
+    found = Path(os.environ.get("LLAMA_CPP_BIN_DIR", "")) / "llama-quantize"
+    if not os.environ.get("LLAMA_CPP_BIN_DIR") or not found.is_file():
+        which = shutil.which("llama-quantize")
+        if which is None:
+            pytest.skip("llama-quantize not found (set LLAMA_CPP_BIN_DIR to llama.cpp's bin folder)")
+        found = Path(which)
+    return found
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """case -> (HF folder, folder of its GGUF files: f32.gguf, q8_0.gguf)."""
+    src = _llama_cpp_src()
+    root = tmp_path_factory.mktemp("gguf-families")
+    out = {case: (make_tiny_model(root / case / "hf", arch, **overrides), root / case)
+           for case, (arch, overrides, _) in CASES.items()}
+    jobs = [[str(hf), str(files / f"{t}.gguf"), t] for hf, files in out.values() for t in ("f32", "q8_0")]
+    run = subprocess.run([sys.executable, "-c", _CONVERT, str(src), json.dumps(jobs)],
+                         check=False, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        pytest.fail(f"llama.cpp's converter failed ({run.returncode}):\n{run.stderr[-6000:]}")
+    return out
+
+
+def _gguf_file(converted, case: str, qtype: str) -> Path:
+    files = converted[case][1]
+    if qtype in ("f32", "q8_0"):
+        return files / f"{qtype}.gguf"
+    path = files / f"{qtype}.gguf"
+    if not path.is_file():
+        run = subprocess.run([str(_llama_quantize()), str(files / "f32.gguf"), str(path), qtype.upper()],
+                             check=False, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return path
+
+
+def _engine(path: Path, case: str, **kw):
+    return engine_for(path, **CASES[case][2], **kw)
+
+
+def _prefill_logits(engine, prompt: list[int]) -> torch.Tensor:
+    engine.add_request(prompt)
+    logits = engine.runner.all_logits(engine.scheduler.schedule().plan)
+    engine.abort_request(list(engine.scheduler.requests), emit_output=False)
+    return logits
+
+
+def _greedy(engine, prompts: list[list[int]], vocab: int = VOCAB) -> list[list[int]]:
+    allowed = None if vocab == VOCAB else list(range(vocab))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, allowed_token_ids=allowed)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [list(done[i].outputs[0].token_ids) for i in ids]
+
+
+def _hf_greedy(hf, prompt: list[int], vocab: int) -> list[int]:
+    """transformers' greedy tokens, over the first `vocab` logits (the rows the GGUF file kept)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, suppress_tokens=list(range(vocab, VOCAB)) or None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_converted_file_runs_as_transformers_runs_the_checkpoint(converted, case):
+    folder, _ = converted[case]
+    engine = _engine(_gguf_file(converted, case, "f32"), case)
+    hf = load_hf(folder)
+    assert engine.model_config.architecture == hf.config.architectures[0]
+    vocab = engine.model_config.vocab_size
+    assert vocab < VOCAB if case == "gemma3" else vocab == VOCAB     # Gemma 3: rows past the real vocabulary dropped
+    prompt = random_prompts([23], seed=5, vocab=vocab)[0]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0, :, :vocab]
+    torch.testing.assert_close(_prefill_logits(engine, prompt), theirs, rtol=1e-4, atol=1e-4)
+
+    prompts = random_prompts(PROMPT_LENGTHS, seed=6, vocab=vocab)
+    expected = [_hf_greedy(hf, p, vocab) for p in prompts]
+    assert _greedy(engine, prompts) == expected
+    assert _greedy(_engine(folder, case), prompts, vocab) == expected     # twostep on the HF folder
+
+
+# Decode steps multiply packed weights with quantized activations: int16 for Q8_0 (2e-4 of a
+# product's scale), int8 for Q4_0 (2e-2: tests/quantization's INT8_RTOL), summed over the layers.
+# So a packed run's greedy token may differ from the dequantized run's where two logits nearly tie:
+# each token the packed run picks must be within this fraction of the logits' scale of the
+# dequantized run's best on the same sequence (the tiny models' worst: 0 for Q8_0, 2.4% for Q4_0).
+GREEDY_GAP = {"q8_0": 0.002, "q4_0": 0.05}
+PREFILL_ATOL = 1e-3     # times the logits' scale: prefill dequantizes packed weights to float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_quantized_file_runs_as_itself_dequantized(converted, case, qtype):
+    path = _gguf_file(converted, case, qtype)
+    packed, plain = load_gguf(path), load_gguf(path, keep_quantized=False)
+    assert packed.tensors.keys() == plain.tensors.keys()
+    kept = [name for name, t in packed.tensors.items() if isinstance(t, QuantizedWeight)]
+    assert any(".q_proj." in name for name in kept) and any(".up_proj." in name for name in kept)
+    for name in kept:       # cut, reordered and packed, the same numbers as the float path
+        torch.testing.assert_close(packed.tensors[name].dequantize(), plain.tensors[name], rtol=0, atol=0, msg=name)
+
+    packed, plain = _engine(path, case), _engine(path, case, quantization="none")
+    vocab = packed.model_config.vocab_size
+    prompt = random_prompts([23], seed=5, vocab=vocab)[0]
+    reference = _prefill_logits(plain, prompt)
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(_prefill_logits(packed, prompt), reference, rtol=0, atol=PREFILL_ATOL * scale)
+
+    prompts = random_prompts(PROMPT_LENGTHS, seed=6, vocab=vocab)
+    for prompt, tokens in zip(prompts, _greedy(packed, prompts)):
+        logits = _prefill_logits(plain, prompt + tokens[:-1])[len(prompt) - 1:]
+        gaps = logits.max(-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert gaps.max().item() <= GREEDY_GAP[qtype] * logits.abs().max().item(), (prompt, tokens, gaps)
+
+
+# ---- what is refused, by name: small files written here -----------------------------------------
+
+def _write(path: Path, arch: str, layers: dict[str, tuple[int, ...]] | None = None, num_layers: int = 1,
+           heads: int = 2, head_dim: int = 4, **metadata) -> Path:
+    """A tiny file of `arch`: hidden 8, vocabulary 8, and the given block tensors (torch shapes) in
+    every layer; metadata (after "{arch}.") as keyword arguments, dots spelled "__"."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for key, value in metadata.items():
+        key = f"{arch}.{key.replace('__', '.')}"
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c", "d", "e", "f", "g", "ab"])
+    writer.add_token_merges(["a b"])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, 8), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    for i in range(num_layers):
+        for name, shape in (layers or {}).items():
+            writer.add_tensor(f"blk.{i}.{name}", rng.standard_normal(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Gemma 3 layer tensors, torch shapes: hidden 8, 2 query heads and 1 KV head of 4 dims, MLP 16
+GEMMA3_LAYER = {"attn_norm.weight": (8,), "attn_q.weight": (8, 8), "attn_k.weight": (4, 8),
+                "attn_v.weight": (4, 8), "attn_output.weight": (8, 8), "attn_q_norm.weight": (4,),
+                "attn_k_norm.weight": (4,), "post_attention_norm.weight": (8,), "ffn_norm.weight": (8,),
+                "ffn_gate.weight": (16, 8), "ffn_up.weight": (16, 8), "ffn_down.weight": (8, 16),
+                "post_ffw_norm.weight": (8,)}
+
+
+@pytest.mark.parametrize("metadata, layer_types, window", [
+    ({"attention__sliding_window": 4}, "SSS", 4),                    # llama.cpp's default: every 6th full
+    ({"attention__sliding_window": 4, "attention__sliding_window_pattern": 2}, "SFS", 4),
+    ({"attention__sliding_window": 4, "attention__sliding_window_pattern": [False, True, True]}, "FSS", 4),
+    ({}, "FFF", None),                                               # no window: every layer full
+])
+def test_gemma3_sliding_layers_follow_llama_cpps_pattern(tmp_path, metadata, layer_types, window):
+    ckpt = load_gguf(_write(tmp_path / "g.gguf", "gemma3", GEMMA3_LAYER, num_layers=3, **metadata))
+    cfg = ckpt.hf_config
+    assert [t[0].upper() for t in cfg["layer_types"]] == list(layer_types)
+    assert cfg["sliding_window"] == window
+    assert cfg["query_pre_attn_scalar"] == 4 and cfg["rope_local_base_freq"] == 10000.0   # llama.cpp's defaults
+    # the norms are used as the file has them (the converter folded Gemma's 1 + w into them)
+    raw = {t.name: t.data for t in gguf.GGUFReader(str(tmp_path / "g.gguf")).tensors}
+    assert torch.equal(ckpt.tensors["model.layers.0.pre_feedforward_layernorm.weight"],
+                       torch.from_numpy(raw["blk.0.ffn_norm.weight"].copy()))
+
+
+def test_a_tensor_the_architecture_does_not_have_is_refused(tmp_path):
+    path = _write(tmp_path / "odd.gguf", "gemma2", GEMMA3_LAYER)      # q/k norms: Gemma 3's, not Gemma 2's
+    with pytest.raises(ValueError, match=r"odd\.gguf.*unexpected tensor 'blk\.0\.attn_q_norm\.weight' for a gemma2"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("arch, metadata, message", [
+    ("olmo2", {"attention__sliding_window": 4}, "OLMo 3"),
+    ("glm4", {"rope__dimension_sections": [2, 2, 0, 0]}, "M-RoPE"),
+    ("granite", {"rope__dimension_count": 2}, "partial rotary embeddings .* not supported for granite"),
+    ("phi3", {"rope__dimension_count": 3}, "partial rotary embeddings .* an even part of it"),
+])
+def test_what_the_model_would_run_differently_is_refused(tmp_path, arch, metadata, message):
+    with pytest.raises(ValueError, match=rf"{arch}\.gguf: .*{message}"):
+        load_gguf(_write(tmp_path / f"{arch}.gguf", arch, **metadata))
+
+
+def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
+    with pytest.raises(ValueError, match="'gemma4' is not supported; supported: llama, .*glm4"):
+        load_gguf(_write(tmp_path / "x.gguf", "gemma4"))
+    assert {"gemma2", "gemma3", "phi3", "smollm3", "olmo2", "granite", "glm4"} <= set(SUPPORTED_ARCHITECTURES)

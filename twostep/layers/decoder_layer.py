@@ -1,0 +1,126 @@
+"""The decoder layers families are made of, differing only in where their norms sit. Each takes
+x, the previous layer's output, and residual, the stream before it (None at the first layer, where
+x is the embedding), and returns the same pair for the next layer; the stream is residual + x.
+A residual add is fused into the norm that follows it (RMSNorm(x, residual) adds in place).
+
+- PreNormLayer (Llama, Mistral, Qwen, Phi-3, SmolLM3, Granite): x + attn(norm(x)), then the same with the MLP.
+- SandwichNormLayer (Gemma 2/3, GLM-4): each sub-layer's output is normed again before the add.
+- PostNormLayer (OLMo 2): no norm before a sub-layer, one on its output before the add.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twostep.distributed.parallel import TensorParallel
+from twostep.layers.attention import Attention
+from twostep.layers.mlp import GatedMLP
+from twostep.layers.norm import RMSNorm
+
+# The decode program's registers (models/fused_decode.py): a layer's output, scratch, the residual
+# stream. Each layer's emit() hands the program the instructions its forward() computes.
+X, H, R = 0, 1, 2
+
+
+class DecoderLayer(nn.Module):
+    norm_names: tuple[str, ...] = ()        # its RMSNorms over the hidden state
+
+    def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
+
+    def norm(self, cfg) -> RMSNorm:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class PreNormLayer(DecoderLayer):
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
+        super().__init__(cfg, layer, tp)
+        self.input_layernorm = self.norm(cfg)
+        self.post_attention_layernorm = self.norm(cfg)
+        self.residual_scale = cfg.residual_scale        # Granite's residual_multiplier
+
+    def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, ropes, kv_cache, meta, backend)
+        h = self.post_attention_layernorm(self._scaled(h), residual)
+        return self._scaled(self.mlp(h)), residual
+
+    def emit(self, p, first: bool) -> None:
+        if first:
+            p.set_residual(X)
+            p.norm(H, X, self.input_layernorm)
+        else:
+            p.add_norm(H, X, self.input_layernorm)
+        self.self_attn.emit(p, H, H)
+        if self.residual_scale is not None:
+            p.scale(H, H, self.residual_scale)
+        p.add_norm(H, H, self.post_attention_layernorm)
+        self.mlp.emit(p, X, H)
+        if self.residual_scale is not None:
+            p.scale(X, X, self.residual_scale)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_scale is None else x * self.residual_scale
+
+
+class SandwichNormLayer(DecoderLayer):
+    norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+
+    def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
+        super().__init__(cfg, layer, tp)
+        self.input_layernorm = self.norm(cfg)
+        self.post_attention_layernorm = self.norm(cfg)
+        self.pre_feedforward_layernorm = self.norm(cfg)
+        self.post_feedforward_layernorm = self.norm(cfg)
+
+    def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, ropes, kv_cache, meta, backend))
+        h = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def emit(self, p, first: bool) -> None:
+        if first:
+            p.set_residual(X)
+            p.norm(H, X, self.input_layernorm)
+        else:
+            p.add_norm(H, X, self.input_layernorm)
+        self.self_attn.emit(p, H, H)
+        p.norm(H, H, self.post_attention_layernorm)
+        p.add_norm(H, H, self.pre_feedforward_layernorm)
+        self.mlp.emit(p, X, H)
+        p.norm(X, X, self.post_feedforward_layernorm)
+
+
+class PostNormLayer(DecoderLayer):
+    norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+    def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
+        super().__init__(cfg, layer, tp)
+        self.post_attention_layernorm = self.norm(cfg)
+        self.post_feedforward_layernorm = self.norm(cfg)
+
+    def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else residual.add_(x)
+        h = self.post_attention_layernorm(self.self_attn(stream, ropes, kv_cache, meta, backend))
+        stream.add_(h)
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+    def emit(self, p, first: bool) -> None:
+        p.set_residual(X) if first else p.add_residual(X)
+        self.self_attn.emit(p, H, R)
+        p.norm(H, H, self.post_attention_layernorm)
+        p.add_residual(H)
+        self.mlp.emit(p, X, R)
+        p.norm(X, X, self.post_feedforward_layernorm)
