@@ -10,7 +10,7 @@ run: setup
 
 test: setup-test
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q
+	LLAMA_CPP_SRC="$${LLAMA_CPP_SRC:-$(CURDIR)/.venv/peers/llama.cpp}" .venv/bin/python -m pytest -q
 
 setup:
 	scripts/setup.sh

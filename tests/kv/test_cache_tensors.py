@@ -8,7 +8,7 @@ import torch
 
 from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
 from twostep.config.kv_cache_dtype import KV_FORMATS
-from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache
+from twostep.kv.cache_tensors import KVCachePlan, KVGroupPlan, allocate_kv_cache
 
 LAYERS, BLOCKS = 5, 9
 
@@ -39,7 +39,7 @@ def assert_zeroed_exactly(caches: list[KVLayerCache], blocks: list[int]) -> None
 
 @pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
 def test_one_fill_zeroes_a_block_in_every_layer(fmt):
-    caches = allocate_kv_cache(KVCachePlan(BLOCKS, 4, 0), LAYERS, 2, 8, torch.bfloat16, torch.device("cpu"),
+    caches = allocate_kv_cache(KVCachePlan(4, (KVGroupPlan(LAYERS, 0, BLOCKS),)), LAYERS, 2, 8, torch.bfloat16, torch.device("cpu"),
                                KV_FORMATS[fmt])
     fills = block_fills(caches)
     assert len(fills) == (2 if KV_FORMATS[fmt].quantized else 1)      # the values (and scales): one each

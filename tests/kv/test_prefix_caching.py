@@ -57,7 +57,7 @@ def test_outputs_identical_with_and_without_caching(folder, budget):
         out = run(on, [p])[0]
         assert out.outputs[0].token_ids == exp
         assert out.num_cached_tokens == (len(p) - 1) // 16 * 16
-    assert on.scheduler.kv.num_free_blocks == on.scheduler.kv.pool.num_blocks
+    assert on.scheduler.kv.num_free_blocks == on.scheduler.kv.num_blocks
 
 
 def test_exact_hit_accounting(folder):
@@ -103,7 +103,7 @@ def test_eviction_under_pressure_keeps_outputs(folder):
         outs = run(engine, prompts)
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert engine.scheduler.kv.pool.num_evictions > 0
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -152,7 +152,7 @@ def test_randomised_interleaving_of_add_abort_preempt_finish(folder, seed):
             assert out.outputs[0].token_ids == expected[i]
             checked += 1
     assert checked >= len(prompts) // 3
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_free_queue_removes_from_the_middle():
@@ -180,7 +180,7 @@ def test_suffix_blocks_are_evicted_before_their_prefix_and_lru_first():
     order = [b.block_id for b in kv.pool.free_queue]
     assert order == old_ids[::-1] + new_ids[::-1]      # least recently freed first, tails first
     assert kv.allocate_slots("x", 0, 4)                 # one block: evicts old's last block
-    hits, n = kv.get_computed_blocks("probe", old + [1])
+    (hits,), n = kv.get_computed_blocks("probe", old + [1])      # the only group's
     assert n == 8 and [b.block_id for b in hits] == old_ids[:2]
     kv.check_integrity()
 
@@ -191,9 +191,9 @@ def test_blocks_in_use_are_never_evicted():
     assert kv.allocate_slots("a", 0, 12)
     kv.cache_full_blocks("a", toks, 12)
     assert not kv.allocate_slots("b", 0, 8), "only one free block: must refuse, not evict"
-    hits, n = kv.get_computed_blocks("c", toks + [5])
+    (hits,), n = kv.get_computed_blocks("c", toks + [5])
     assert n == 12
-    assert kv.allocate_slots("c", n, 1, hits)           # shares a's blocks, takes the last free one
+    assert kv.allocate_slots("c", n, 1, [hits])         # shares a's blocks, takes the last free one
     assert [b.ref_cnt for b in hits] == [2, 2, 2]
     kv.free("a")
     assert [b.ref_cnt for b in hits] == [1, 1, 1]

@@ -68,7 +68,7 @@ def drain_leases(engine, timeout: float = 5.0) -> None:
 def assert_all_free(engine) -> None:
     kv = engine.scheduler.kv
     kv.check_integrity()
-    assert kv.num_free_blocks == kv.pool.num_blocks, "blocks leaked"
+    assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
 
 
 @pytest.fixture(scope="module")

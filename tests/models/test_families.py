@@ -76,32 +76,48 @@ def test_a_checkpoint_with_tensors_the_family_lacks_is_refused(tmp_path):
         engine_for(folder)
 
 
-@pytest.mark.parametrize("arch", ["mistral-window", "phi3"])
-def test_a_sliding_window_bounds_each_sequences_blocks(tiny_model_dir, tmp_path, arch):
-    """Every layer windowed: after each step a sequence holds at most the window's blocks plus the
-    one being filled, however long it generates; tokens still transformers'."""
+@pytest.mark.parametrize("arch", ["mistral-window", "phi3", "gemma2", "gemma3"])
+def test_a_sliding_window_bounds_each_sequences_blocks(tmp_path, arch):
+    """In each sliding-window group (every layer of Mistral's and Phi-3's, the windowed layers of
+    Gemma's), a sequence holds at most the window's blocks plus the one being filled after each
+    step, however long it generates; a full-attention group keeps every block; tokens still
+    transformers'."""
     from conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / arch, arch, sliding_window=WINDOW)
     hf = load_hf(folder)
     engine = engine_for(folder, block_size=4, max_num_batched_tokens=WINDOW - 2)
-    assert engine.scheduler.kv.window == WINDOW
+    kv = engine.scheduler.kv
+    windows = [g.window for g in kv.groups]
+    assert windows == ([WINDOW] if arch in ("mistral-window", "phi3") else [None, WINDOW])
     prompts = random_prompts([37, 5], seed=4)
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)) for p in prompts]
-    done, most = {}, 0
+    done, most = {}, [0] * len(kv.groups)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.scheduler.kv.check_integrity()
-        most = max([most] + [engine.scheduler.kv.num_blocks_of(r) for r in ids])
-    assert most <= -(-WINDOW // 4) + 1, f"{most} blocks held for a window of {WINDOW} tokens in blocks of 4"
+        kv.check_integrity()
+        most = [max([m] + [g.num_blocks_of(r) for r in ids]) for m, g in zip(most, kv.groups)]
+    for g, m in zip(kv.groups, most):
+        if g.window is not None:
+            assert m <= -(-WINDOW // 4) + 1, f"{m} blocks held for a window of {WINDOW} tokens in blocks of 4"
+        else:
+            assert m == -(-(37 + 90 - 1) // 4), "a full-attention layer needs every block"
     for p, i in zip(prompts, ids):
         assert done[i].outputs[0].token_ids == hf_greedy(hf, p, 90)
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_mixed_windows_keep_every_block(tiny_model_dir):
-    """Gemma's full layers need every position: no block is released."""
-    engine = engine_for(tiny_model_dir("gemma2"), block_size=4)
-    assert engine.scheduler.kv.window is None
+def test_sliding_layers_get_a_windows_blocks_per_sequence(tiny_model_dir):
+    """Sized from memory, Gemma's sliding-window layers get what max_num_seqs sequences hold at once
+    (a window and a chunk each), the full-attention layers the rest of the budget."""
+    engine = engine_for(tiny_model_dir("gemma3"), block_size=4, max_num_seqs=3, max_num_batched_tokens=WINDOW,
+                        kv_cache_memory="1MiB")
+    full, sliding = engine.kv_plan.groups
+    assert (full.window, sliding.window) == (None, WINDOW)
+    assert sliding.num_blocks == 3 * (-(-(WINDOW + WINDOW) // 4) + 1)
+    per_block = 4 * (full.bytes_per_token + sliding.bytes_per_token)
+    assert full.num_blocks > (1 << 20) // per_block, "the full layers got the sliding layers' share too"
+    assert engine.kv_plan.total_bytes <= (1 << 20) + 8 * per_block
+    assert [g.pool.num_blocks for g in engine.scheduler.kv.groups] == [full.num_blocks, sliding.num_blocks]

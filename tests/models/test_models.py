@@ -46,7 +46,7 @@ def test_batched_greedy_matches_transformers_alone(tiny_model_dir, arch):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), f"prompt of {len(p)} tokens"
         assert o.outputs[0].finish_reason == "length"
     llm.engine.scheduler.kv.check_integrity()
-    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_blocks
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

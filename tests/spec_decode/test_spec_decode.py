@@ -205,7 +205,7 @@ def test_rejected_slots_are_released_and_never_cached(reference):
             # block its next token goes to), never for rejected drafts.
             held = engine.scheduler.kv.num_blocks_of(request.request_id)
             assert held <= engine.scheduler.kv.blocks_needed(request.num_computed_tokens + 1)
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 # ---- stops and limits apply to accepted tokens in order -----------------------------------------
@@ -444,7 +444,7 @@ def test_the_draft_catches_up_on_long_prompts_within_the_token_budget(reference)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert max(sizes) <= 8 + len(prompts), sizes            # chunks plus one fed-back draft each
     assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0
-    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.pool.num_blocks   # all freed
+    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.num_blocks   # all freed
 
 
 def test_a_draft_with_a_shorter_context_stops_proposing_past_it(reference, tmp_path):
@@ -462,4 +462,4 @@ def test_a_draft_with_a_shorter_context_stops_proposing_past_it(reference, tmp_p
                 assert engine.proposer.kv.num_blocks_of(r.request_id) == 0
     assert [done[i].outputs[0].token_ids for i in ids] == expected
     assert engine.get_stats()["spec_decode_acceptance_rate"] == 1.0
-    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.pool.num_blocks
+    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.num_blocks

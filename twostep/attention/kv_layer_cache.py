@@ -38,6 +38,7 @@ class KVLayerCache:
     values: torch.Tensor
     scales: torch.Tensor | None
     fmt: KVFormat
+    group: int = 0               # its KV-cache group: whose block table and slots it takes
 
     @property
     def num_blocks(self) -> int:

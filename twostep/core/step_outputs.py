@@ -34,7 +34,7 @@ class RequestStep:
     request_id: str
     start: int                           # its tokens [start, start + len(token_ids)) are computed
     token_ids: list[int]                 # their ids: known tokens, then num_drafts drafts to verify
-    new_block_ids: list[int]             # its block table from index block_start on (earlier: kept)
+    new_blocks: list[list[int]]          # each KV group's block table from index block_start on (earlier: kept)
     block_start: int = 0
     num_drafts: int = 0
     samples: bool = False                # the step completes its known tokens: sample the next one

@@ -61,7 +61,7 @@ class LLMEngine:
                                attention_backend=config.attention_backend, quantization=config.quantization, tp=tp)
         cache_spec = CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
                                config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
-                               config.max_num_seqs, config.gpu_memory_utilization)
+                               config.max_num_seqs, config.max_num_batched_tokens, config.gpu_memory_utilization)
         target = build_model_instance(model_spec, cache_spec, sampler)
         t = target
         self.tp_group: TPGroup | None = None
@@ -74,6 +74,10 @@ class LLMEngine:
         self.generation_config = t.generation_config
         logger.info("%s; largest context that fits: %d tokens (max_model_len %d)", self.kv_plan.describe(),
                     min(self.kv_plan.num_tokens, self.max_model_len), self.max_model_len)
+        if config.kv_transfer_config and len(t.kv_plan.groups) > 1:
+            raise ValueError(f"{t.path}: prefill/decode disaggregation moves one block table per request, and "
+                             "this model keeps its sliding-window layers' blocks apart (KV-cache groups); run it "
+                             "without --kv-transfer-config")
         self.kv_connector: KVConnector | None = (make_connector(config.kv_transfer_config, t.runner.kv_caches)
                                                  if config.kv_transfer_config else None)
         self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -110,7 +114,7 @@ class LLMEngine:
     def _start_workers(self, model_spec: ModelSpec, cache_spec: CacheSpec, t, cores: list[int]) -> TPGroup:
         c = self.config
         spec = WorkerSpec(dataclasses.replace(model_spec, platform=None, max_model_len=t.max_model_len),
-                          dataclasses.replace(cache_spec, num_blocks=t.kv_plan.num_blocks),
+                          dataclasses.replace(cache_spec, num_blocks=tuple(g.num_blocks for g in t.kv_plan.groups)),
                           str(self.device), c,
                           "nccl" if self.device.type == "cuda" else "gloo",
                           c.distributed_init_method or default_init_method(), c.distributed_timeout_s,

@@ -21,6 +21,7 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.tp, self.layer = tp, layer
+        self.kv_group = cfg.kv_group(layer)            # whose block tables its cache takes
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim

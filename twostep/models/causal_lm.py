@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, tp, self.layer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // tp.world_size, bias=False)
         self.rotary = nn.ModuleDict()       # kind -> RotaryEmbedding (init_rotary), each a CustomOp
-        # fn(x, rope, kv_caches, meta, backend) -> (x, residual) running every layer of the steps it
+        # fn(x, rope, kv_caches, metas, backend) -> (x, residual) running every layer of the steps it
         # takes in one platform call, None for the others (models/fused_decode.py); bound at load
         self.fused_decode: Callable | None = None
 
@@ -68,19 +68,20 @@ class CausalLM(nn.Module):
             self.lm_head.weight, self.lm_head.quantized = embedding.weight, embedding.quantized
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list, meta,
+                kv_caches: list, metas: list,
                 backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        return self.hidden_and_logits(input_ids, positions, kv_caches, meta, backend)[0]
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. metas: the backend's metadata
+        of each KV-cache group; a layer reads its cache's group's."""
+        return self.hidden_and_logits(input_ids, positions, kv_caches, metas, backend)[0]
 
-    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta,
+    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list,
                           backend: AttentionBackend, every_row: bool = False,
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward's hidden states, and where every_row asks for all their logits and the decode
         stack takes the step with its lm_head, compute_logits of them from the stack's call (else None:
         the caller computes the logits of the rows it wants)."""
         if self.fused_decode is not None:
-            fused = self.fused_decode(input_ids, positions, kv_caches, meta, backend, every_row)
+            fused = self.fused_decode(input_ids, positions, kv_caches, metas, backend, every_row)
             if fused is not None:
                 hidden, logits = fused
                 return hidden, None if logits is None else self.scale_logits(logits)
@@ -88,7 +89,7 @@ class CausalLM(nn.Module):
         ropes = {kind: rotary.lookup(positions, x.dtype) for kind, rotary in self.rotary.items()}
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, ropes, kv_cache, meta, backend)
+            x, residual = layer(x, residual, ropes, kv_cache, metas[kv_cache.group], backend)
         return self.model.norm(x, residual), None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

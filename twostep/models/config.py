@@ -64,6 +64,19 @@ class ModelConfig:
         windows = {self.window(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else None
 
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's window (kv/kv_cache_manager.py): one group where every layer
+        attends alike; else the full-attention layers first, then a group per window, narrowest first."""
+        windows = {self.window(i) for i in range(self.num_layers)}
+        if len(windows) == 1:
+            return (windows.pop(),)
+        return (None, *sorted(w for w in windows if w is not None))
+
+    def kv_group(self, layer: int) -> int:
+        """Which KV-cache group a layer's K/V belong to."""
+        return self.kv_group_windows.index(self.window(layer)) if len(self.kv_group_windows) > 1 else 0
+
     def rope_kind(self, layer: int) -> str | None:
         """Which rotary tables a layer reads: "global", "local" (Gemma 3's sliding layers), None (NoPE)."""
         if layer in self.no_rope_layers:

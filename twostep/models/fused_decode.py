@@ -46,7 +46,7 @@ class FusedDecode:
         self.stack, self.max_rows, self.backend = stack, max_rows, backend
         self.head_rows = head_rows      # the most rows whose logits the stack computes (its lm_head's limit)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta, backend,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list, backend,
                  logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(the final norm's output, and where `logits` asks for every row's and the stack's lm_head
         takes the rows, their float32 logits, else None) for a step it takes; None for one it does not."""
@@ -56,12 +56,12 @@ class FusedDecode:
         rows = input_ids.shape[0]
         if not in_decode_batch() or backend is not self.backend or rows > self.max_rows:
             return None
-        plan = meta.decode
+        plan = metas[0].decode
         if rows != plan.seq_lens.shape[0]:
             return None
         return self.stack.forward(input_ids, positions, [c.values for c in kv_caches],
-                                  meta.common.slot_mapping, plan.rows.index, plan.query_lens, plan.tables,
-                                  plan.seq_lens, logits and rows <= self.head_rows)
+                                  [m.common.slot_mapping for m in metas], plan.rows.index, plan.query_lens,
+                                  [m.decode.tables for m in metas], plan.seq_lens, logits and rows <= self.head_rows)
 
 
 def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend) -> FusedDecode | None:
@@ -149,7 +149,7 @@ class ProgramBuilder:
             QK_NORMS.index(attn.qk_norm), q_norm, k_norm, eps,
             -1 if attn.rope_kind is None else self.rope_kinds.index(attn.rope_kind),
             o.scale, o.window or 0, o.softcap or 0.0,
-            None if o.sinks is None else o.sinks.float().contiguous(), attn.layer,
+            None if o.sinks is None else o.sinks.float().contiguous(), attn.layer, attn.kv_group,
             self.fused(attn.qkv_proj), self.fused(attn.o_proj))
 
 

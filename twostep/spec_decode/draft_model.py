@@ -112,7 +112,7 @@ class DraftModelProposer:
               drafts: list[int] | None = None) -> ScheduledRequest:
         """One row of a draft forward, over the draft's own block table."""
         return ScheduledRequest(request, num_tokens, start, drafts or [],
-                                block_ids=self.kv.block_ids(request.request_id))
+                                tables=self.kv.tables(request.request_id))
 
     def _make_room(self, request: Request, k: int) -> bool:
         """Roll the draft's cache back to what the target confirmed and grow it for k drafts."""
@@ -126,14 +126,14 @@ class DraftModelProposer:
             valid += 1
         valid = min(valid, request.num_tokens - 1)   # the newest token is always fed
         self.kv.trim(rid, valid)
-        self._record.trimmed(rid, self.kv.num_blocks_of(rid))
+        self._record.trimmed(rid, self.kv.table_length(rid))
         # The cache will hold the request's tokens and drafts 1 .. k-1.
         if not self.kv.allocate_slots(rid, valid, request.num_tokens + k - 1 - valid):
             self.remove(rid)
             return False
         # Blocks reserved for drafts 2..k are read (masked) by batched steps before they are
         # written: zero them now, as garbage there could be NaN (and NaN * 0 is NaN).
-        self.runner.ensure_zeroed(self.kv.block_ids(rid))
+        self.runner.ensure_zeroed(self.kv.tables(rid))
         self._fed[rid] = _Fed(valid, [])
         return True
 

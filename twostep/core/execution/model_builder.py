@@ -13,8 +13,9 @@ from twostep.attention.selector import get_attention_backend
 from twostep.config import kv_format
 from twostep.distributed.parallel import TensorParallel
 from twostep.core.execution.model_runner import ModelRunner
-from twostep.kv.cache_tensors import KVCachePlan, allocate_kv_cache, plan_kv_cache
-from twostep.kv.kv_cache_manager import KVCacheManager
+from twostep.kv.block_tables import BlockTables
+from twostep.kv.cache_tensors import KVCachePlan, KVGroupNeed, allocate_kv_cache, plan_kv_cache
+from twostep.kv.kv_cache_manager import KVCacheManager, KVGroupSpec
 from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
 from twostep.models.causal_lm import CausalLM
@@ -33,10 +34,12 @@ class CacheSpec:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
-    num_blocks: int | None = None              # exact count (tests, the draft's = the target's)
+    # exact count (tests, the draft's = the target's), or each KV-cache group's (a TP worker: rank 0's)
+    num_blocks: int | tuple[int, ...] | None = None
     memory: str | int | None = None            # else a byte budget ("2GiB")
     memory_fraction: float = 0.25              # else this fraction of free memory,
     max_num_seqs: int = 64                     # capped at what this many full-length sequences use
+    max_num_batched_tokens: int = 2048         # a prefill chunk's most tokens (a window's blocks hold one)
     # vLLM's gpu_memory_utilization: this fraction of the device's (CPU: the machine's) memory for
     # everything this process holds, weights included; the KV cache gets what the weights leave
     memory_utilization: float | None = None
@@ -95,7 +98,7 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     fmt = kv_format(cache.kv_cache_dtype)
     kv_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
-                                  spec.dtype, device, fmt)
+                                  spec.dtype, device, fmt, [shard.kv_group(i) for i in range(shard.num_layers)])
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
     model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend)
     if model.fused_decode is not None:
@@ -103,8 +106,9 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
         logger.info("decode steps of %s: the %d layers in one C++ call",
                     "any batch" if rows >= ANY_ROWS else f"up to {rows} rows", shard.num_layers)
     runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
-    kv_manager = KVCacheManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                config.uniform_window)
+    first, *more = plan.groups
+    kv_manager = KVCacheManager(first.num_blocks, cache.block_size, cache.enable_prefix_caching, first.window,
+                                [KVGroupSpec(g.num_blocks, g.window) for g in more])
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,
                          kv_manager, runner, ckpt.tokenizer_source, dict(ckpt.generation_config or {}))
 
@@ -137,16 +141,25 @@ def _fit_to_cache(max_model_len: int, plan: KVCachePlan, cache: CacheSpec, expli
 
 def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec,
              max_model_len: int) -> KVCachePlan:
-    """The pool sizes itself in bytes: an 8-bit format gets about twice bf16's blocks."""
+    """The pool sizes itself in bytes: an 8-bit format gets about twice bf16's blocks. A mixed
+    model's sliding-window layers get blocks of their own, a window's worth per sequence."""
     fmt = kv_format(cache.kv_cache_dtype)
-    per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-    plan = plan_kv_cache(per_token, cache.block_size, device, cache.memory, cache.memory_fraction,
+    needs = []
+    for g, window in enumerate(config.kv_group_windows):
+        layers = sum(config.kv_group(i) == g for i in range(config.num_layers))
+        per_token = fmt.bytes_per_token(layers, config.num_kv_heads, config.head_dim, dtype)
+        most = None
+        if g > 0:     # a sliding-window group: what its sequences hold at once
+            tables = BlockTables(1, cache.block_size, window)
+            most = cache.max_num_seqs * tables.sequence_blocks(max_model_len, cache.max_num_batched_tokens)
+        needs.append(KVGroupNeed(layers, per_token, window, most))
+    plan = plan_kv_cache(needs, cache.block_size, device, cache.memory, cache.memory_fraction,
                          cache.max_num_seqs * max_model_len, cache.num_blocks, cache.memory_utilization)
     dtype_name = str(dtype).removeprefix("torch.")
     if fmt.quantized:
         plain = kv_format("auto").bytes_per_token(config.num_layers, config.num_kv_heads,
                                                   config.head_dim, dtype)
-        logger.info("%s KV: %.2fx the tokens of %s KV in the same memory", fmt.name, plain / per_token,
-                    dtype_name)
+        logger.info("%s KV: %.2fx the tokens of %s KV in the same memory", fmt.name,
+                    plain / plan.bytes_per_token, dtype_name)
     return dataclasses.replace(plan, kv_dtype=fmt.name if fmt.storage else dtype_name,
                                scaled=fmt.quantized)

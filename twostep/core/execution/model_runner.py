@@ -3,8 +3,9 @@ unpadded forward pass and samples from it. The runner keeps its requests' state 
 (core/execution/request_states.py) and reads nothing of the scheduler's.
 
 Inputs per step: input_ids and positions of every scheduled token, slot_mapping (where each
-new token's K/V goes), block tables and lengths for attention: the common metadata, which the
-attention backend turns into its own once per step. lm_head runs only on the
+new token's K/V goes), block tables and lengths for attention: the common metadata, one per
+KV-cache group (kv/kv_cache_manager.py), which the attention backend turns into its own once per
+step; each layer reads its group's. lm_head runs only on the
 rows that need logits: the last token of each request that samples this step, every position
 of a request verifying drafts, plus prompt positions of requests that asked for prompt_logprobs.
 """
@@ -36,11 +37,16 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
-    blocks: list[int]            # blocks written this step (zeroed on first use)
+    metas: list[AttentionMetadata]   # one per KV-cache group
+    blocks: list[list[int]]      # each group's blocks written this step (zeroed on first use)
     # every row a generated position: one sequence's next token or a draft it verifies (no prompt
     # rows): the kernels may take a decode batch's faster products (platforms/step_kind.py)
     decode_batch: bool = False
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        """The first group's metadata: the layout every group shares (query and sequence lengths)."""
+        return self.metas[0]
 
 
 class StepBroadcast(Protocol):
@@ -74,9 +80,10 @@ class ModelRunner:
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
         # Block tables are padded with the null block, which no request holds: zero it now.
-        self._zeroed = bytearray(kv_caches[0].num_blocks)    # 1 where a block was zeroed or written
-        self._block_fills = block_fills(kv_caches)
-        self.ensure_zeroed([NULL_BLOCK_ID])
+        groups = [[c for c in kv_caches if c.group == g] for g in range(max(c.group for c in kv_caches) + 1)]
+        self._zeroed = [bytearray(g[0].num_blocks) for g in groups]   # 1 where a block was zeroed or written
+        self._block_fills = [block_fills(g) for g in groups]
+        self.ensure_zeroed([[NULL_BLOCK_ID]] * len(groups))
         self.requests = RequestStates()              # the runner's own state of its requests
 
     @torch.inference_mode()
@@ -132,61 +139,67 @@ class ModelRunner:
     def run_local(self, inputs: StepInputs, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's part of a step's forward."""
         self.ensure_zeroed(inputs.blocks)
-        meta = self.backend.build_metadata(inputs.meta)
+        metas = [self.backend.build_metadata(m) for m in inputs.metas]
         every_row = rows is not None and rows == list(range(len(inputs.input_ids)))
         with decode_batch(inputs.decode_batch):
             hidden, logits = self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.kv_caches,
-                                                          meta, self.backend, every_row)
+                                                          metas, self.backend, every_row)
             if rows is None or logits is not None:
                 return hidden, logits
             return hidden, self.model.compute_logits(_pick_rows(hidden, rows))
 
-    def ensure_zeroed(self, block_ids: list[int]) -> None:
-        """Zero those of these blocks that were never written (see __init__)."""
-        zeroed = self._zeroed
-        fresh = [b for b in block_ids if not zeroed[b]]
-        if not fresh:
-            return
-        index = int64_tensor(fresh, self.device)
-        for tensor, dim in self._block_fills:
-            tensor.index_fill_(dim, index, 0)
-        for b in fresh:
-            zeroed[b] = 1
+    def ensure_zeroed(self, tables: list[list[int]]) -> None:
+        """Zero those of these blocks (a list per KV-cache group) that were never written (see __init__)."""
+        for zeroed, fills, block_ids in zip(self._zeroed, self._block_fills, tables, strict=True):
+            fresh = [b for b in block_ids if not zeroed[b]]
+            if not fresh:
+                continue
+            index = int64_tensor(fresh, self.device)
+            for tensor, dim in fills:
+                tensor.index_fill_(dim, index, 0)
+            for b in fresh:
+                zeroed[b] = 1
 
     def write_blocks(self, block_ids: list[int], parts: list[torch.Tensor]) -> None:
         """Store whole blocks received from another instance (prefill/decode disaggregation);
         they count as written, so they are never zeroed afterwards."""
         scatter_blocks(self.kv_caches, block_ids, parts)
         for b in block_ids:
-            self._zeroed[b] = 1
+            self._zeroed[0][b] = 1
 
     def _prepare(self, steps: list[RequestStep], states: list[RequestState]) -> StepInputs:
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
-        starts, qlens, slens, tables = [0], [], [], []
-        bs = self.block_size
-        for s, state in zip(steps, states):
-            end, block_ids = s.start + s.num_tokens, state.block_ids
+        starts, qlens, slens = [0], [], []
+        for s in steps:
+            end = s.start + s.num_tokens
             ids.extend(s.token_ids)
             pos.extend(range(s.start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, end))
             starts.append(starts[-1] + s.num_tokens)
             qlens.append(s.num_tokens)
             slens.append(end)
-            tables.append(block_ids)
+        # Decodes, and decodes verifying drafts, share one batched attention call per layer.
+        is_decode = [s.num_tokens == 1 or s.num_drafts > 0 for s in steps]
+        metas, written = [], []
+        for g in range(len(states[0].tables)):
+            slots, table = self._group_slots([state.tables[g] for state in states], steps)
+            metas.append(AttentionMetadata(query_start_loc=starts, query_lens=qlens, seq_lens=slens,
+                                           slot_mapping=int64_tensor(slots, self.device), block_tables=table,
+                                           block_size=self.block_size, is_decode=is_decode))
+            written.append(sorted({sl // self.block_size for sl in slots}))
+        return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), metas, written,
+                          all(s.decode for s in steps))
+
+    def _group_slots(self, tables: list[list[int]], steps: list[RequestStep]) -> tuple[list[int], torch.Tensor]:
+        """One KV-cache group's slot of every new token and its block tables [B, max blocks],
+        padded with the null block."""
+        bs, slots = self.block_size, []
+        for s, block_ids in zip(steps, tables):
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens))
         width = max(len(t) for t in tables)
         table = int64_tensor([b for t in tables for b in t + [NULL_BLOCK_ID] * (width - len(t))],
                              self.device).view(len(tables), width)
-        meta = AttentionMetadata(
-            query_start_loc=starts, query_lens=qlens, seq_lens=slens,
-            slot_mapping=int64_tensor(slots, self.device),
-            block_tables=table, block_size=bs,
-            # Decodes, and decodes verifying drafts, share one batched attention call per layer.
-            is_decode=[s.num_tokens == 1 or s.num_drafts > 0 for s in steps],
-        )
-        return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), meta,
-                          sorted({sl // bs for sl in slots}), all(s.decode for s in steps))
+        return slots, table
 
     def _logit_rows(self, steps: list[RequestStep], states: list[RequestState],
                     meta: AttentionMetadata) -> _LogitRows:

@@ -17,7 +17,7 @@ class RequestState:
     output_token_ids: list[int]
     params: SamplingParams | None
     generator: torch.Generator | None
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)     # a block table per KV group
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -26,10 +26,13 @@ class RequestState:
     def apply(self, step: RequestStep) -> None:
         """The step's new blocks, and its known tokens past the prompt as outputs (a decode's input
         is the token sampled last step). A runner that does not sample keeps no outputs."""
-        if step.block_start > len(self.block_ids):
+        if not self.tables:
+            self.tables = [[] for _ in step.new_blocks]
+        if step.block_start > len(self.tables[0]):
             raise RuntimeError(f"request {step.request_id}: blocks from {step.block_start} sent, the runner has "
-                               f"{len(self.block_ids)}")
-        self.block_ids[step.block_start:] = step.new_block_ids
+                               f"{len(self.tables[0])}")
+        for table, new in zip(self.tables, step.new_blocks, strict=True):
+            table[step.block_start:] = new
         if self.params is None:
             return
         outputs, prompt = self.output_token_ids, self.num_prompt_tokens

@@ -24,21 +24,21 @@ class RunnerRecord:
             self._blocks[request_id] = min(self._blocks[request_id], num_blocks)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """The runner's message for these scheduled requests (their block_ids set)."""
+        """The runner's message for these scheduled requests (their tables set)."""
         plan = StepPlan(removed=self._removed)
         self._removed = []
         for s in scheduled:
-            request, table = s.request, s.block_ids
+            request, tables = s.request, s.tables
             rid = request.request_id
             if rid not in self._blocks:
                 plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
                                                         request.params, request.generator) if self.samples
                                          else NewRequestData(rid, request.prompt_token_ids, [], None))
                 self._blocks[rid] = 0
-            first = min(self._blocks[rid], len(table))
-            self._blocks[rid] = len(table)
+            first = min(self._blocks[rid], len(tables[0]))
+            self._blocks[rid] = len(tables[0])
             plan.steps.append(RequestStep(
-                rid, s.start, s.input_token_ids(), new_block_ids=table[first:], block_start=first,
+                rid, s.start, s.input_token_ids(), new_blocks=[t[first:] for t in tables], block_start=first,
                 num_drafts=len(s.spec_token_ids), samples=s.completes_known_tokens, decode=s.is_decode,
                 prompt_logprobs_from=request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
                 draft_probs=s.spec_draft_probs, token_bitmask=s.token_bitmask))

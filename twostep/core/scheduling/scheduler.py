@@ -112,7 +112,7 @@ class Scheduler:
             self._finish(request, "length")
         now = time.monotonic()
         for s in out.scheduled:
-            s.block_ids = self.kv.block_ids(s.request.request_id)
+            s.tables = self.kv.tables(s.request.request_id)
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
             grammar = s.request.grammar
@@ -284,7 +284,7 @@ class Scheduler:
         st = self.stats
         st.num_steps += 1
         st.num_prefill_tokens += sum(s.num_tokens for s in scheduler_output.scheduled if not s.is_decode)
-        st.peak_blocks_used = max(st.peak_blocks_used, self.kv.pool.num_used_blocks)
+        st.peak_blocks_used = max(st.peak_blocks_used, self.kv.num_used_blocks)
 
     def _update_request(self, s: ScheduledRequest, result: StepResult) -> EngineCoreOutput:
         request = s.request
@@ -399,11 +399,11 @@ class Scheduler:
         return self.kv.usage
 
     def kv_stats(self) -> dict:
-        pool, pc = self.kv.pool, self.kv.prefix_stats
-        return {"num_blocks": pool.num_blocks, "blocks_in_use": pool.num_used_blocks,
+        kv, pc = self.kv, self.kv.prefix_stats
+        return {"num_blocks": kv.num_blocks, "blocks_in_use": kv.num_used_blocks,
                 "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
-                "prefix_cache_hit_rate": pc.hit_rate, "prefix_cache_blocks": pool.num_cached_blocks,
-                "prefix_cache_evictions": pool.num_evictions}
+                "prefix_cache_hit_rate": pc.hit_rate, "prefix_cache_blocks": kv.num_cached_blocks,
+                "prefix_cache_evictions": kv.num_evictions}
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()

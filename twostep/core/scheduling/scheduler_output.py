@@ -18,7 +18,7 @@ class ScheduledRequest:
     start: int                       # its num_computed_tokens before the step
     spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step
     spec_draft_probs: torch.Tensor | None = None              # their draft distributions [k, V]
-    block_ids: list[int] = field(default_factory=list)        # its block table, set by the scheduler
+    tables: list[list[int]] = field(default_factory=list)     # its block table in each KV group, set by the scheduler
     # Structured outputs: tokens allowed at each sampled position ([1 + drafts, W]), set by the
     # scheduler when this step samples for a constrained request.
     token_bitmask: torch.Tensor | None = None

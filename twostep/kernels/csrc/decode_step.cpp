@@ -148,6 +148,7 @@ struct FusedAttention {
   int64_t window;      // 0: none
   OptTensor sinks;
   int64_t cache;       // which layer's K/V cache
+  int64_t group;       // its KV-cache group: whose slots and block tables it takes
   std::shared_ptr<FusedLinear> qkv, o;
 };
 
@@ -200,14 +201,15 @@ class DecodeProgram {
   }
   void attention(int64_t dst, int64_t src, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary_dim,
                  int64_t qk_norm, OptTensor q_norm, OptTensor k_norm, double eps, int64_t rope, double scale,
-                 int64_t window, double softcap, OptTensor sinks, int64_t cache, std::shared_ptr<FusedLinear> qkv,
-                 std::shared_ptr<FusedLinear> o) {
+                 int64_t window, double softcap, OptTensor sinks, int64_t cache, int64_t group,
+                 std::shared_ptr<FusedLinear> qkv, std::shared_ptr<FusedLinear> o) {
     TORCH_CHECK(rope < static_cast<int64_t>(cos_tables_.size()), "rotary table ", rope, " not given (set_inputs)");
     TORCH_CHECK(qk_norm == 0 || (q_norm.has_value() && k_norm.has_value()), "q/k norms without their weights");
     attentions_.push_back({heads, kv_heads, dim, rotary_dim, qk_norm, std::move(q_norm), std::move(k_norm), eps, rope,
-                           scale, softcap, window, std::move(sinks), cache, std::move(qkv), std::move(o)});
+                           scale, softcap, window, std::move(sinks), cache, group, std::move(qkv), std::move(o)});
     push(ATTENTION, dst, src, static_cast<int64_t>(attentions_.size()) - 1, 0.0);
     num_caches_ = std::max(num_caches_, cache + 1);
+    num_groups_ = std::max(num_groups_, group + 1);
   }
 
   int64_t num_instructions() const { return static_cast<int64_t>(program_.size()); }
@@ -238,17 +240,20 @@ class DecodeProgram {
   }
 
   // ids, positions [t]: the token ids and positions of t sequences decoding one token each;
-  // kv_values: each layer's cache values; slots [t]; q_index [t, 1], q_lens, tables, seq_lens: the
-  // paged decode plan.
+  // kv_values: each layer's cache values; slots [t] and tables [t, blocks] of each KV-cache group;
+  // q_index [t, 1], q_lens, seq_lens: the rest of the paged decode plan.
   // -> (X after the program: the final norm's output, and with `logits` float32 logits of every
   // row, as the model's forward and compute_logits return them; else none).
   std::tuple<Tensor, OptTensor> forward(const Tensor& ids, const Tensor& positions,
-                                        const std::vector<Tensor>& kv_values, const Tensor& slots,
-                                        const Tensor& q_index, const Tensor& q_lens, const Tensor& tables,
-                                        const Tensor& seq_lens, bool logits) const {
+                                        const std::vector<Tensor>& kv_values, const std::vector<Tensor>& slots,
+                                        const Tensor& q_index, const Tensor& q_lens,
+                                        const std::vector<Tensor>& tables, const Tensor& seq_lens,
+                                        bool logits) const {
     RECORD_FUNCTION("twostep::decode_layers", c10::ArrayRef<c10::IValue>({}));
     TORCH_CHECK(static_cast<int64_t>(kv_values.size()) >= num_caches_, "one cache per layer: ", kv_values.size(),
                 " for ", num_caches_);
+    TORCH_CHECK(static_cast<int64_t>(slots.size()) >= num_groups_ && tables.size() == slots.size(),
+                "slots and tables for each of the ", num_groups_, " KV-cache groups");
     TORCH_CHECK(inputs_set_, "the stack has no inputs (set_inputs)");
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "ids, positions: [t]");
     at::NoGradGuard no_grad;
@@ -267,7 +272,10 @@ class DecodeProgram {
  private:
   struct Step {
     std::vector<Tensor> cos, sin;
-    const Tensor &slots, &q_index, &q_lens, &tables, &seq_lens;
+    const std::vector<Tensor>& slots;
+    const Tensor &q_index, &q_lens;
+    const std::vector<Tensor>& tables;
+    const Tensor& seq_lens;
     const std::vector<Tensor>& kv;
   };
 
@@ -357,9 +365,9 @@ class DecodeProgram {
                                 a.rotary_dim, cos, sin);
     }
     const Tensor& kv = step.kv[a.cache];
-    write_kv_.call(kv, k, v, step.slots);
+    write_kv_.call(kv, k, v, step.slots[a.group]);
     // in q's dtype both ways (the kernel reads 16-bit rows into float32 and writes its output back rounded)
-    const Tensor o = attention_.call(q.contiguous(), step.q_index, step.q_lens, kv, step.tables, step.seq_lens,
+    const Tensor o = attention_.call(q.contiguous(), step.q_index, step.q_lens, kv, step.tables[a.group], step.seq_lens,
                                      a.scale, a.window, a.softcap, a.sinks);
     return (*a.o)(o.view({t, q_size}));
   }
@@ -369,6 +377,7 @@ class DecodeProgram {
   std::vector<std::shared_ptr<FusedLinear>> linears_;
   std::vector<FusedAttention> attentions_;
   int64_t num_caches_ = 0;
+  int64_t num_groups_ = 1;
   std::shared_ptr<FusedLinear> lm_head_;
   std::vector<Tensor> cos_tables_, sin_tables_;
   at::ScalarType dtype_ = at::kFloat;
