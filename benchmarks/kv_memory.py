@@ -4,11 +4,12 @@ attention (every layer holding every position), and what `twostep analyze` compu
 
     .venv/bin/python benchmarks/kv_memory.py --model F [--context 8192]
 
-It prefills a random prompt of --context - 1 tokens and decodes one token, with prefix caching off,
-one sequence, the cache sized from memory for that (so the plan's tensors are what this sequence
-could use), and after every step records the blocks each group's table holds (the window's blocks
-are freed as the prompt's chunks pass them). Measured bytes: the most blocks each group held at
-once, times its bytes per block.
+It prefills a random prompt of --context - 1 tokens and decodes two tokens, with prefix caching
+off, one sequence, the cache sized from memory for that (so the plan's tensors are what this
+sequence could use), and after every step records the blocks each group's table holds (a window
+group's blocks are freed as the prompt's chunks pass them; during a step it also holds the chunk's,
+which its pool is sized for). Measured bytes: the most blocks each group held after a step, times
+its bytes per block.
 """
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ def main() -> None:
                                     max_num_seqs=1, enable_prefix_caching=False))
     kv, plan, cfg = engine.scheduler.kv, engine.kv_plan, engine.model_config
     prompt = [random.Random(0).randrange(10, cfg.vocab_size) for _ in range(args.context - 1)]
-    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     most = [0] * len(kv.groups)
     steps = 0
     while engine.has_unfinished_requests():
-        most = [max(m, g.num_blocks_of(rid)) for m, g in zip(most, kv.groups)]
         engine.step()
+        most = [max(m, g.num_blocks_of(rid)) for m, g in zip(most, kv.groups)]
         steps += 1
         if steps % 4 == 0:
             print(f"  step {steps}: {engine.scheduler.stats.num_prefill_tokens} prompt tokens", flush=True)
@@ -52,8 +53,9 @@ def main() -> None:
     print(f"{args.model}: {cfg.num_layers} layers, KV {plan.kv_dtype}, context {args.context}, block {block}")
     for m, g in zip(most, plan.groups):
         span = "full attention" if g.window is None else f"window {g.window}"
-        print(f"  {g.num_layers:3d} layers, {span}: at most {m} blocks held ({mib(m * block * g.bytes_per_token)});"
-              f" pool {g.num_blocks} blocks")
+        print(f"  {g.num_layers:3d} layers, {span}: at most {m} blocks held after a step "
+              f"({mib(m * block * g.bytes_per_token)}); pool {g.num_blocks} blocks "
+              f"({mib((g.num_blocks + 1) * block * g.bytes_per_token)})")
     print(f"  measured   {mib(measured)} against {mib(full)} with full attention everywhere: "
           f"{full / measured:.2f}x less")
     print(f"  analyze    {mib(analyzed)} against {mib(analyzed_full)}: {analyzed_full / analyzed:.2f}x less")
