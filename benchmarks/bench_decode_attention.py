@@ -15,6 +15,7 @@ import torch
 
 from twostep.attention.kv_layer_cache import KVLayerCache
 from twostep.attention.metadata import AttentionMetadata
+from twostep.attention.options import AttentionOptions
 from twostep.attention.paged_decode import PagedDecode
 from twostep.attention.reference import ReferenceDecode
 from twostep.config import kv_format
@@ -48,7 +49,7 @@ def main() -> None:
                                    torch.empty(0, dtype=torch.int64), table, bs, [True] * batch)
         out = torch.empty_like(q)
         plans = {name: dec.build(common, list(range(batch))) for name, dec in decoders.items()}
-        calls = {name: (lambda dec=dec, plan=plans[name]: dec.forward(q, cache, plan, 0.125, out))
+        calls = {name: (lambda dec=dec, plan=plans[name]: dec.forward(q, cache, plan, AttentionOptions(0.125), out))
                  for name, dec in decoders.items()}
         ms = {name: statistics.median(time_ms(fn) for _ in range(3)) for name, fn in calls.items()}
         print(f"batch {batch:>2}, context {length:>5}, queries {nq}: reference {ms['reference']:.3f} ms, "
