@@ -111,12 +111,13 @@ def test_a_sliding_window_bounds_each_sequences_blocks(tmp_path, arch):
 
 def test_sliding_layers_get_a_windows_blocks_per_sequence(tiny_model_dir):
     """Sized from memory, Gemma's sliding-window layers get what max_num_seqs sequences hold at once
-    (a window and a chunk each), the full-attention layers the rest of the budget."""
+    (a window each, plus a step's new tokens between them), the full-attention layers the rest of
+    the budget."""
     engine = engine_for(tiny_model_dir("gemma3"), block_size=4, max_num_seqs=3, max_num_batched_tokens=WINDOW,
                         kv_cache_memory="1MiB")
     full, sliding = engine.kv_plan.groups
     assert (full.window, sliding.window) == (None, WINDOW)
-    assert sliding.num_blocks == 3 * (-(-(WINDOW + WINDOW) // 4) + 1)
+    assert sliding.num_blocks == 3 * (WINDOW // 4 + 2) + WINDOW // 4
     per_block = 4 * (full.bytes_per_token + sliding.bytes_per_token)
     assert full.num_blocks > (1 << 20) // per_block, "the full layers got the sliding layers' share too"
     assert engine.kv_plan.total_bytes <= (1 << 20) + 8 * per_block

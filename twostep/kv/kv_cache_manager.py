@@ -5,7 +5,8 @@ in a model that mixes them (Gemma 2/3), the full-attention layers and the slidin
 each group with its own pool of blocks in its own tensors (llama.cpp's SWA cache beside the main
 one; vLLM's KV-cache groups share one pool instead). A sliding-window group's blocks that fall out
 of the window are freed and reused (kv/block_tables.py), so its memory is bounded by the window
-however long the sequence, and its pool is sized for that (model_builder.py).
+however long the sequence, and its pool is sized for that: the windows of max_num_seqs sequences
+and a step's new tokens (core/execution/model_builder.py).
 
 The scheduler asks for room for `num_new_tokens` more tokens of a request (a prefill chunk, one
 decode token, or k+1 tokens of a speculative verification step); the manager grows every group's

@@ -139,6 +139,15 @@ def _fit_to_cache(max_model_len: int, plan: KVCachePlan, cache: CacheSpec, expli
     return plan.num_tokens
 
 
+def _window_group_blocks(tables: BlockTables, cache: CacheSpec, max_model_len: int) -> int:
+    """The most blocks a sliding-window group's sequences hold at once: each keeps its window (and
+    the block the window starts in), and a step adds the blocks of at most max_num_batched_tokens new
+    tokens between them (and a part-filled block each); no sequence more than it could ever hold."""
+    seqs, chunk = cache.max_num_seqs, cache.max_num_batched_tokens
+    shared = seqs * (tables.blocks_needed(tables.window) + 2) + tables.blocks_needed(chunk)
+    return min(shared, seqs * tables.sequence_blocks(max_model_len, chunk))
+
+
 def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec,
              max_model_len: int) -> KVCachePlan:
     """The pool sizes itself in bytes: an 8-bit format gets about twice bf16's blocks. A mixed
@@ -149,9 +158,8 @@ def _plan_kv(config: ModelConfig, dtype: torch.dtype, device: torch.device, cach
         layers = sum(config.kv_group(i) == g for i in range(config.num_layers))
         per_token = fmt.bytes_per_token(layers, config.num_kv_heads, config.head_dim, dtype)
         most = None
-        if g > 0:     # a sliding-window group: what its sequences hold at once
-            tables = BlockTables(1, cache.block_size, window)
-            most = cache.max_num_seqs * tables.sequence_blocks(max_model_len, cache.max_num_batched_tokens)
+        if g > 0:     # a sliding-window group: the most its sequences hold at once
+            most = _window_group_blocks(BlockTables(1, cache.block_size, window), cache, max_model_len)
         needs.append(KVGroupNeed(layers, per_token, window, most))
     plan = plan_kv_cache(needs, cache.block_size, device, cache.memory, cache.memory_fraction,
                          cache.max_num_seqs * max_model_len, cache.num_blocks, cache.memory_utilization)
