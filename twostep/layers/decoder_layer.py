@@ -33,6 +33,20 @@ class DecoderLayer(nn.Module):
     def norm(self, cfg) -> RMSNorm:
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def normed_input(self, x, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_layernorm of the stream, the stream): at the first layer the stream is x itself."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual), residual
+
+    def emit_normed_input(self, p, first: bool) -> None:
+        """normed_input into H, the stream into R."""
+        if first:
+            p.set_residual(X)
+            p.norm(H, X, self.input_layernorm)
+        else:
+            p.add_norm(H, X, self.input_layernorm)
+
 
 class PreNormLayer(DecoderLayer):
     norm_names = ("input_layernorm", "post_attention_layernorm")
@@ -44,20 +58,13 @@ class PreNormLayer(DecoderLayer):
         self.residual_scale = cfg.residual_scale        # Granite's residual_multiplier
 
     def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self.normed_input(x, residual)
         h = self.self_attn(h, ropes, kv_cache, meta, backend)
         h = self.post_attention_layernorm(self._scaled(h), residual)
         return self._scaled(self.mlp(h)), residual
 
     def emit(self, p, first: bool) -> None:
-        if first:
-            p.set_residual(X)
-            p.norm(H, X, self.input_layernorm)
-        else:
-            p.add_norm(H, X, self.input_layernorm)
+        self.emit_normed_input(p, first)
         self.self_attn.emit(p, H, H)
         if self.residual_scale is not None:
             p.scale(H, H, self.residual_scale)
@@ -82,20 +89,13 @@ class SandwichNormLayer(DecoderLayer):
         self.post_feedforward_layernorm = self.norm(cfg)
 
     def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self.normed_input(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, ropes, kv_cache, meta, backend))
         h = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
     def emit(self, p, first: bool) -> None:
-        if first:
-            p.set_residual(X)
-            p.norm(H, X, self.input_layernorm)
-        else:
-            p.add_norm(H, X, self.input_layernorm)
+        self.emit_normed_input(p, first)
         self.self_attn.emit(p, H, H)
         p.norm(H, H, self.post_attention_layernorm)
         p.add_norm(H, H, self.pre_feedforward_layernorm)
