@@ -20,6 +20,7 @@ class AttentionOptions:
     # and adds no value: a query may put weight on "nothing"
     sinks: torch.Tensor | None = None
 
-    def first_visible(self, position: int) -> int:
-        """The earliest key position a query at `position` sees."""
-        return 0 if self.window is None else max(0, position - self.window + 1)
+    def __post_init__(self) -> None:
+        # float32 and contiguous once, as every backend reads them, rather than per call
+        if self.sinks is not None:
+            object.__setattr__(self, "sinks", self.sinks.detach().float().contiguous())

@@ -66,7 +66,7 @@ class ReferenceDecode:
         if mask is not None:
             scores.masked_fill_(~mask.repeat(1, 1, group, 1), float("-inf"))
         sinks = None if options.sinks is None else \
-            options.sinks.float().view(1, kv_heads, group, 1).expand(b, kv_heads, group, nq).reshape(b, kv_heads, -1)
+            options.sinks.view(1, kv_heads, group, 1).expand(b, kv_heads, group, nq).reshape(b, kv_heads, -1)
         probs = softmax_with_sinks(scores, sinks)
         o = torch.matmul(probs, _heads_first(values, torch.float32))  # [B, Hkv, G*Q, D]
         plan.rows.scatter(out, o.view(b, kv_heads, group, nq, dim).permute(0, 3, 1, 2, 4)
@@ -148,7 +148,7 @@ def _eager(q, keys, values, mask, options: AttentionOptions) -> torch.Tensor:
         scores.masked_fill_(~mask, float("-inf"))
     elif n > 1:
         scores.masked_fill_(~visible(torch.arange(n, device=q.device)[None], n, None)[:, None], float("-inf"))
-    sinks = None if options.sinks is None else options.sinks.float().view(1, heads, 1).expand(b, heads, n)
+    sinks = None if options.sinks is None else options.sinks.view(1, heads, 1).expand(b, heads, n)
     return torch.matmul(softmax_with_sinks(scores, sinks), values).to(q.dtype)
 
 

@@ -64,7 +64,6 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, kv_cache, meta, self.options)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
-
     def emit(self, p, dst: int, src: int) -> None:
         """forward as one instruction of the decode program (models/fused_decode.py)."""
         p.attention(dst, src, self)

@@ -149,7 +149,7 @@ class ProgramBuilder:
             QK_NORMS.index(attn.qk_norm), q_norm, k_norm, eps,
             -1 if attn.rope_kind is None else self.rope_kinds.index(attn.rope_kind),
             o.scale, o.window or 0, o.softcap or 0.0,
-            None if o.sinks is None else o.sinks.float().contiguous(), attn.layer, attn.kv_group,
+            o.sinks, attn.layer, attn.kv_group,
             self.fused(attn.qkv_proj), self.fused(attn.o_proj))
 
 

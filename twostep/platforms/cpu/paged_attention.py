@@ -18,11 +18,8 @@ def paged_decode_attention(kernel, dtype: torch.dtype, quantized_kv: bool) -> Ca
         return None
 
     def run(q, index, query_lens, values, tables, seq_lens, options):
-        sinks = options.sinks
-        if sinks is not None:
-            sinks = sinks.to(torch.float32).contiguous()
         o = kernel.paged_decode_attention(q.contiguous(), index, query_lens, values, tables, seq_lens,
-                                          options.scale, options.window or 0, options.softcap or 0.0, sinks)
+                                          options.scale, options.window or 0, options.softcap or 0.0, options.sinks)
         return o.view(-1, *q.shape[1:])
 
     return run
