@@ -87,6 +87,17 @@ ARCH_CONFIGS = {
                                       attention_multiplier=0.1, logits_scaling=4.0)),
     # GLM's sandwich norms, q/k/v biases, fused gate_up, interleaved rotary over half the head
     "glm4": ("Glm4Config", dict(num_key_value_heads=2, head_dim=32)),
+    # 8 experts, top 2, renormalised; the second layer dense (mlp_only_layers)
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=32)),
+    # sinks, biases everywhere, alternating window (8) and full layers, YaRN, clamped SwiGLU experts
+    "gpt-oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                     intermediate_size=32, sliding_window=8,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "truncate": False,
+                                                   "original_max_position_embeddings": 128})),
 }
 
 CORPUS = [
@@ -132,7 +143,7 @@ def make_tiny_model(folder: Path, arch: str, **overrides) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases, which would hide a dropped bias
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):
                 param.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

@@ -6,6 +6,8 @@ Under tensor parallelism the config is a rank's share of the heads; the sum afte
 the other ranks. A norm over all heads (OLMo 2) would need the other ranks' heads and is refused."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -28,6 +30,8 @@ class Attention(nn.Module):
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         self.rope_kind = cfg.rope_kind(layer)          # which of the step's rotary tables (None: NoPE)
         self.options = AttentionOptions(cfg.scale, cfg.window(layer), cfg.attn_softcap)
+        # gpt-oss: a learned logit per head; the options take it once loaded (loaded())
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
@@ -63,6 +67,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.options)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
+
+    def loaded(self) -> None:
+        """After the checkpoint's tensors are in: the options take the sinks as loaded."""
+        if self.sinks is not None:
+            self.options = dataclasses.replace(self.options, sinks=self.sinks)
 
     def emit(self, p, dst: int, src: int) -> None:
         """forward as one instruction of the decode program (models/fused_decode.py)."""

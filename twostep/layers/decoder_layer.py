@@ -15,6 +15,7 @@ from torch import nn
 from twostep.distributed.parallel import TensorParallel
 from twostep.layers.attention import Attention
 from twostep.layers.mlp import GatedMLP
+from twostep.layers.moe import SparseMoE
 from twostep.layers.norm import RMSNorm
 
 # The decode program's registers (models/fused_decode.py): a layer's output, scratch, the residual
@@ -28,7 +29,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
+        self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(layer) else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
 
     def norm(self, cfg) -> RMSNorm:
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -62,6 +62,14 @@ class CausalLM(nn.Module):
                                                 None if local else c.rope_scaling, max_positions, device,
                                                 None if local else c.rope_freq_factors)
 
+    def loaded(self) -> None:
+        """Once the checkpoint's tensors are in: the tied head, and what blocks derive from their
+        weights (attention sinks into the options)."""
+        self.tie_weights()
+        for m in self.modules():
+            if m is not self and hasattr(m, "loaded"):
+                m.loaded()
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             embedding = self.model.embed_tokens

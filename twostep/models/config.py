@@ -46,8 +46,25 @@ class ModelConfig:
     embed_scale: float | None = None    # Gemma: sqrt(hidden); Granite: embedding_multiplier
     residual_scale: float | None = None     # Granite: each sub-layer's output times this
     logit_scale: float | None = None    # Granite: 1 / logits_scaling
+    attn_sinks: bool = False            # gpt-oss: a learned logit per head joins each softmax
+    # mixture of experts (layers/moe.py): 0 experts is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0      # each expert's
+    moe_layers: tuple[int, ...] | None = None   # which layers route to experts (None: all, where experts)
+    # "softmax_topk": softmax over every expert, the top k kept (renormalised where norm_topk_prob:
+    # Qwen3-MoE's flag, always for Mixtral); "topk_softmax": the top k logits, softmax over them (gpt-oss)
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False           # gpt-oss
+    expert_bias: bool = False           # gpt-oss: each expert's projections have biases
+    swiglu_limit: float | None = None   # gpt-oss's clamped SwiGLU (hidden_act "swiglu_oai")
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
     def layer_type(self, layer: int) -> str:
         if self.layer_types is not None:

@@ -2,14 +2,18 @@
 checkpoint's tensors become the model's; and the tensor transforms family files share."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from twostep.models.config import ModelConfig
+from twostep.quantization.packed import QuantizedWeight
 
 Tensors = dict[str, Any]        # name -> torch.Tensor or QuantizedWeight
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -22,7 +26,6 @@ class Family:
     from_hf: Callable[[Tensors, ModelConfig], Tensors] | None = None
     # what a checkpoint may carry that the model does not use (vision towers of a multimodal one)
     ignored: tuple[str, ...] = field(default_factory=tuple)
-
 
 
 def add_one_to_norms(tensors: Tensors, names: tuple[str, ...]) -> Tensors:
@@ -68,3 +71,41 @@ def unfuse(tensors: Tensors, fused: str, parts: tuple[str, ...], sizes: list[int
         else:
             out[name] = t
     return out
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(\w+)\.(weight|bias)")
+_PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+def stack_experts(tensors: Tensors, config: ModelConfig, names: dict[str, str] = _PROJECTIONS) -> Tensors:
+    """A checkpoint's experts one by one (layers.N.mlp.experts.E.<name>, `names` to gate_proj,
+    up_proj, down_proj) stacked into the MoE block's weights (layers/moe.py: experts.gate_proj
+    [E * I, H], ...); transformers 5's stacked form (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) cut the same way."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        if (m := _EXPERT.fullmatch(name)) is not None and m[3] in names:
+            experts.setdefault((m[1], names[m[3]], m[4]), {})[int(m[2])] = t
+        elif name.endswith("mlp.experts.gate_up_proj") and isinstance(t, torch.Tensor) and t.dim() == 3:
+            gate, up = t.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate.reshape(-1, t.shape[-1])
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up.reshape(-1, t.shape[-1])
+        elif name.endswith("mlp.experts.down_proj") and isinstance(t, torch.Tensor) and t.dim() == 3:
+            out[name + ".weight"] = t.reshape(-1, t.shape[-1])
+        else:
+            out[name] = t
+    for (prefix, proj, kind), by_expert in experts.items():
+        if sorted(by_expert) != list(range(config.num_experts)):
+            raise ValueError(f"{prefix}*.{proj}: the checkpoint has experts {sorted(by_expert)[:8]}..., "
+                             f"the config {config.num_experts}")
+        out[f"{prefix}{proj}.{kind}"] = stack_rows([by_expert[e] for e in range(config.num_experts)])
+    return out
+
+
+def stack_rows(parts: list) -> Any:
+    """Matrices (or biases) stacked along their rows, float or packed quantized."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.stack(parts)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])

@@ -139,6 +139,9 @@ class ProgramBuilder:
             self.limits.append(fused[1])
         return fused[0]
 
+    def moe(self, dst: int, src: int, moe) -> None:
+        raise NotFused("mixture-of-experts layers have no decode-program instruction yet")
+
     def attention(self, dst: int, src: int, attn) -> None:
         o = attn.options
         q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight.detach(),

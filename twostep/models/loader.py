@@ -197,6 +197,6 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
     model.load_state_dict(tensors, strict=False, assign=True)
     for name, weight in quantized.items():
         _adopt_quantized(model, name, weight, ckpt.path)
-    model.tie_weights()
+    model.loaded()
     model.init_rotary(max_positions, device)
     return model.eval().requires_grad_(False)

@@ -6,6 +6,10 @@ scale (and min) per group for `pack` to lay out, is the reference the tests hold
 (decode_and_pack). No weight is dequantized: the codes are GGUF's own, and so are the scales, except
 that K-quants' super-block scale times sub-block scale is rounded to float16 (see packed.py). The
 layouts follow ggml-quants.c (and gguf.quants, the reference the tests compare against).
+
+MXFP4 (GGUF's, and gpt-oss's own safetensors checkpoints: pack_mxfp4) is kept losslessly too, its
+e2m1 codes mapped onto 5-bit linear codes with a power-of-two float16 scale per block: 5.5 bits a
+weight resident against the file's 4.25 (see the MXFP4 notes below).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES
 
-from twostep.quantization.packed import PackedFormat, PackedWeight, half_plane, pack
+from twostep.quantization.packed import BLOCK, PackedFormat, PackedWeight, half_plane, pack
 
 QK_K = 256
 
@@ -98,6 +102,92 @@ def _q6_k_scales(b):
     return _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
 
 
+# MXFP4 (OCP microscaling; ggml-quants.c, gguf.quants.MXFP4): a block of 32 is one e8m0 exponent byte e
+# and 16 bytes of 4-bit e2m1 codes, byte j holding weight j in its low nibble and weight j + 16 in its
+# high one (Q4_0's order). ggml reads a code c as kvalues_mxfp4[c], the e2m1 value doubled:
+_MXFP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+# times e8m0_to_fp32_half(e) = 2**(e - 128) for every e (e < 2: float32 subnormals; no NaN at 255).
+# A weight is thus 2**(e - 128) * kvalue: twostep keeps it as the 5-bit code q = kvalue + 16 (4..28,
+# zero 16, no min) and the scale 2**(e - 128), which float16 holds exactly for e - 128 in -24..15.
+# Resident that is 5.5 bits a weight against the file's 4.25: the kernels read linear codes only (no
+# non-linear 4-bit codebook yet), and e2m1's values doubled need 5 bits as integers.
+_MXFP4_ZERO = 16
+_MXFP4_EXPONENTS = (128 - 24, 128 + 15)          # e8m0 bytes whose scale float16 holds exactly
+
+
+def _mxfp4_scales(exponents: np.ndarray, nonzero: np.ndarray, name: str = "MXFP4") -> np.ndarray:
+    """Per block, 2**(e - 128) (float32, exact); 0 for a block of zero codes whose scale float16 cannot
+    hold. A block with a nonzero code and such a scale is refused (ValueError)."""
+    e = np.asarray(exponents, dtype=np.uint8).reshape(-1)
+    lo, hi = _MXFP4_EXPONENTS
+    fits = (e >= lo) & (e <= hi)
+    bad = ~fits & np.asarray(nonzero, dtype=bool).reshape(-1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}: {int(bad.sum())} block(s) have a scale float16 cannot hold exactly (block "
+                         f"{first}: e8m0 exponent {int(e[first])}, scale 2**{int(e[first]) - 128}); twostep keeps "
+                         f"{name} scales 2**-24 .. 2**15 (exponent bytes {lo}..{hi}) only")
+    return np.where(fits, np.ldexp(np.float32(1), e.astype(np.int32) - 128), np.float32(0)).astype(np.float32)
+
+
+def _mxfp4(b):
+    """The reference decoder: codes kvalue + 16 in weight order, one scale per block."""
+    codes = (_MXFP4_DOUBLED[_nibbles32(b[:, 1:])] + _MXFP4_ZERO).astype(np.uint8)
+    return codes, _mxfp4_scales(b[:, 0], (codes != _MXFP4_ZERO).any(axis=-1)), None
+
+
+def _mxfp4_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per code byte (low nibble weight i, high nibble weight i + 16): the qs plane's byte (the codes'
+    low nibbles, in the same places) and the codes' fifth bits at bits 0 and 4."""
+    byte = np.arange(256)
+    low, high = (_MXFP4_DOUBLED[byte & 0xF] + _MXFP4_ZERO), (_MXFP4_DOUBLED[byte >> 4] + _MXFP4_ZERO)
+    qs = ((low & 0xF) | ((high & 0xF) << 4)).astype(np.uint8)
+    fifth = ((low >> 4) | ((high >> 4) << 4)).astype(np.uint8)
+    return qs, fifth
+
+
+_MXFP4_QS, _MXFP4_FIFTH = _mxfp4_tables()
+
+
+def _mxfp4_weight(codes: np.ndarray, exponents: np.ndarray, n: int, k: int, name: str = "MXFP4") -> PackedWeight:
+    """MXFP4 blocks, code bytes [blocks, 16] in GGUF's nibble order and e8m0 exponents [blocks], as the
+    planes (field-wise, by byte tables: no code is decoded on its own)."""
+    codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1, 16)
+    halves = codes.view("<u8")                     # a code other than +-0: a magnitude bit set
+    nonzero = ((halves[:, 0] | halves[:, 1]) & np.uint64(0x7777777777777777)) != 0
+    scales = _mxfp4_scales(exponents, nonzero, name)
+    # qh byte b, bit t: the fifth bit of weight 4 t + b. Code byte 4 t' + b holds weights 4 t' + b and
+    # 4 (t' + 4) + b, their fifth bits at bits 0 and 4 of its table entry: word t' of the entries
+    # (bytes b = 0..3) shifted by t' puts them at bits t' and t' + 4 of byte b
+    words = _MXFP4_FIFTH[codes].view("<u4")                                   # [.., t']
+    qh = (words[:, 0] | (words[:, 1] << 1) | (words[:, 2] << 2) | (words[:, 3] << 3)).view(np.uint8)
+    return PackedWeight(PackedFormat(5, BLOCK, False, name), n, k, _plane(_MXFP4_QS[codes], n), _plane(qh, n),
+                        half_plane(scales, n, k // BLOCK), None)
+
+
+def pack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> PackedWeight:
+    """A matrix [n, k] in gpt-oss's safetensors MXFP4 (`*_blocks` uint8 [n, k / 32, 16], `*_scales`
+    uint8 [n, k / 32]; an expert's slice of the [experts, n, k / 32, ...] tensors) as a PackedWeight,
+    losslessly. Its codes and exponents are GGUF's MXFP4 (e2m1 codes, e8m0 exponents: transformers'
+    integrations/mxfp4.py reads FP4_VALUES[c] * 2**(e - 127), which is ggml's kvalue * 2**(e - 128)),
+    but byte j of a block holds weights 2j (low nibble) and 2j + 1 (high), where GGUF's holds j and
+    j + 16: the nibbles are regrouped into GGUF's order, then packed as pack_gguf packs MXFP4 (5-bit
+    codes, 5.5 bits a weight resident; ValueError for a scale float16 cannot hold, as there)."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8 (got {blocks.dtype}, {scales.dtype})")
+    if blocks.ndim != 3 or blocks.shape[-1] != 16 or scales.shape != blocks.shape[:2]:
+        raise ValueError(f"MXFP4 blocks [n, k / 32, 16] and scales [n, k / 32] expected, got "
+                         f"{list(blocks.shape)} and {list(scales.shape)}")
+    n, nb, _ = blocks.shape
+    # GGUF's byte 2m + h holds weights 2m + h and 2m + h + 16: nibble h of bytes m and 8 + m here
+    first, second = blocks.reshape(-1, 16)[:, :8], blocks.reshape(-1, 16)[:, 8:]
+    codes = np.empty((n * nb, 8, 2), dtype=np.uint8)
+    codes[..., 0] = (first & 0xF) | (second << 4)
+    codes[..., 1] = (first >> 4) | (second & 0xF0)
+    return _mxfp4_weight(codes, scales, n, nb * BLOCK)
+
+
 # type -> (decoder, bits, weights per scale, has mins)
 _DECODERS = {
     QType.Q8_0: (_q8_0, 8, 32, False),
@@ -108,6 +198,7 @@ _DECODERS = {
     QType.Q4_K: (_q4_k, 4, 32, True),
     QType.Q5_K: (_q5_k, 5, 32, True),
     QType.Q6_K: (_q6_k, 6, 16, False),
+    QType.MXFP4: (_mxfp4, 5, 32, False),
 }
 PACKED_TYPES = tuple(_DECODERS)
 
@@ -140,6 +231,8 @@ def pack_gguf(raw: np.ndarray, qtype: QType, n: int, k: int) -> PackedWeight:
     fmt = PackedFormat(bits, group, has_min, qtype.name)
     if qtype in _SAME_LAYOUT:
         return _split_fields(blocks, qtype, fmt, n, k)
+    if qtype == QType.MXFP4:
+        return _mxfp4_weight(blocks[:, 1:], blocks[:, 0], n, k)
     if qtype in _K_PLANES:
         qs, qh, scales, mins = _K_PLANES[qtype](blocks)
         return PackedWeight(fmt, n, k, _plane(qs, n), None if qh is None else _plane(qh, n),
