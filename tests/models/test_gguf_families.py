@@ -38,6 +38,7 @@ from twostep import SamplingParams
 from twostep.models.gguf_loader import SUPPORTED_ARCHITECTURES, load_gguf
 from twostep.quantization.packed import QuantizedWeight
 
+_INT16 = {"cpu_int8_activations": "off"}
 # case -> (ARCH_CONFIGS key, overrides a GGUF file can express, engine settings)
 CASES = {
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 32}, {}),
@@ -51,7 +52,13 @@ CASES = {
     "granite": ("granite", {}, {}),
     "glm4": ("glm4", {}, {}),
     "llama-bias": ("llama-bias", {}, {}),     # Q/K biases permuted by the converter like the weights
+    # experts stacked [E, n, k] per projection; llama.cpp's qwen3moe has experts in every layer.
+    # int16 activations: a router's choice near a tie flips under int8 ones (MOE below)
+    "qwen3-moe": ("qwen3-moe", {"mlp_only_layers": []}, _INT16),
+    "mixtral": ("mixtral", {}, _INT16),          # a llama file with experts
+    "gpt-oss": ("gpt-oss", {}, _INT16),          # sinks, expert biases, YaRN without truncation
 }
+MOE = ("qwen3-moe", "mixtral", "gpt-oss")
 PROMPT_LENGTHS = [5, 17, 40]
 NEW_TOKENS = 16
 
@@ -199,10 +206,13 @@ def test_a_quantized_file_runs_as_itself_dequantized(converted, case, qtype):
     torch.testing.assert_close(_prefill_logits(packed, prompt), reference, rtol=0, atol=PREFILL_ATOL * scale)
 
     prompts = random_prompts(PROMPT_LENGTHS, seed=6, vocab=vocab)
-    for prompt, tokens in zip(prompts, _greedy(packed, prompts)):
+    greedy = _greedy(packed, prompts)
+    for prompt, tokens in zip(prompts, greedy):
         logits = _prefill_logits(plain, prompt + tokens[:-1])[len(prompt) - 1:]
         gaps = logits.max(-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
         assert gaps.max().item() <= GREEDY_GAP[qtype] * logits.abs().max().item(), (prompt, tokens, gaps)
+    if case in MOE:     # the experts kernel with int16 activations: the dequantized model's tokens
+        assert greedy == _greedy(plain, prompts)
 
 
 # ---- what is refused, by name: small files written here -----------------------------------------
@@ -292,3 +302,30 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match="'gemma4' is not supported; supported: llama, .*glm4"):
         load_gguf(_write(tmp_path / "x.gguf", "gemma4"))
     assert {"gemma2", "gemma3", "phi3", "smollm3", "olmo2", "granite", "glm4"} <= set(SUPPORTED_ARCHITECTURES)
+
+
+# a Qwen3-MoE layer, torch shapes: hidden 8, 2 query heads and 1 KV head of 4 dims, 4 experts of 16
+QWEN3MOE_LAYER = {"attn_norm.weight": (8,), "attn_q.weight": (8, 8), "attn_k.weight": (4, 8),
+                  "attn_v.weight": (4, 8), "attn_output.weight": (8, 8), "attn_q_norm.weight": (4,),
+                  "attn_k_norm.weight": (4,), "ffn_norm.weight": (8,), "ffn_gate_inp.weight": (4, 8),
+                  "ffn_gate_exps.weight": (4, 16, 8), "ffn_up_exps.weight": (4, 16, 8),
+                  "ffn_down_exps.weight": (4, 8, 16)}
+
+
+def test_experts_load_stacked(tmp_path):
+    ckpt = load_gguf(_write(tmp_path / "m.gguf", "qwen3moe", QWEN3MOE_LAYER, expert_count=4, expert_used_count=2,
+                            expert_feed_forward_length=16))
+    cfg = ckpt.hf_config
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 16)
+    assert ckpt.tensors["model.layers.0.mlp.experts.gate_proj.weight"].shape == (64, 8)
+    assert ckpt.tensors["model.layers.0.mlp.experts.down_proj.weight"].shape == (32, 16)
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"expert_count": 5, "expert_used_count": 2}, r"tensor 'blk\.0\.ffn_gate_inp\.weight' holds 4 experts; qwen3moe\.expert_count says 5"),
+    ({"expert_count": 4, "expert_used_count": 5}, r"qwen3moe\.expert_used_count is 5; a token takes 1 to expert_count \(4\)"),
+    ({"expert_count": 4, "expert_used_count": 0}, r"qwen3moe\.expert_used_count is 0"),
+])
+def test_an_expert_count_or_top_k_the_tensors_contradict_is_refused(tmp_path, metadata, message):
+    with pytest.raises(ValueError, match=rf"m\.gguf: {message}"):
+        load_gguf(_write(tmp_path / "m.gguf", "qwen3moe", QWEN3MOE_LAYER, expert_feed_forward_length=16, **metadata))

@@ -47,6 +47,8 @@ def random_blocks(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
     halves = lambda: rng.uniform(-0.02, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if qtype == QType.Q6_K:
         raw[:, 208:210] = halves()
+    elif qtype == QType.MXFP4:          # e8m0 exponents whose scales 2**(e - 128) float16 holds
+        raw[:, 0] = rng.integers(104, 144, raw.shape[0])
     else:
         raw[:, :2] = halves()
         if qtype in (QType.Q4_1, QType.Q5_1, QType.Q4_K, QType.Q5_K):
@@ -131,10 +133,10 @@ def test_packed_layout_reads_back_as_gguf_dequantizes(qtype, n, k):
     raw = random_blocks(qtype, n, k, seed=n + k)
     packed = pack_gguf(raw, qtype, n, k)
     ref = reference(raw, qtype, n, k)
-    exact = qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
+    exact = qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.MXFP4)
     tol = 0 if exact else SCALE_ROUNDING * ref.abs().max().item()
     torch.testing.assert_close(packed.dequantize(), ref, rtol=0, atol=tol)
-    assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + 0.5
+    assert packed.nbytes * 8 / (n * k) <= gguf_bits_per_weight(qtype) + (1.25 if qtype == QType.MXFP4 else 0.5)
     # the planes cut from the blocks' bit fields: those of decoding every code and packing them (the
     # K-quants' scales share their code with the decoders: the gguf comparison above checks those)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // gguf.GGML_QUANT_SIZES[qtype][0], -1)

@@ -187,7 +187,7 @@ def prefetch_flags() -> tuple[str, ...]:
 _QUANT_FLAGS = ("-fno-associative-math", "-fvisibility=hidden")
 QUANT_SOURCES = tuple(f"quant/{unit}.cpp" for unit in (
     "gemv_int8", "gemm_int8", "gemv_panels", "gemv_rows", "gemm_bf16", "gemm_f32", "activations",
-    "dequantize", "pack", "ops", "register"))   # the longest compiles first
+    "dequantize", "pack", "experts", "ops", "register"))   # the longest compiles first
 
 
 def _other_dot_flags() -> tuple[str, ...]:

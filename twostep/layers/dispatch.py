@@ -14,6 +14,7 @@ from torch import nn
 from twostep.layers.custom_op import CustomOp
 from twostep.layers.embedding import Embedding
 from twostep.layers.linear import Linear
+from twostep.layers.moe import ExpertLinear, Experts
 from twostep.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,12 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
         if isinstance(m, Embedding):
             m.dtype = dtype            # what its lookups return, whatever the table's form
     done = _bind_quantized(model, platform, dtype)
+    done += _bind_experts(model, platform)
     method = platform.linear_method(dtype)
     if method is not None:
-        linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None]
+        # experts in float run in torch from their stacked weights (layers/moe.py)
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is None
+                   and not isinstance(m, ExpertLinear)]
         for linear in linears:
             linear.set_method(method)
         done.append(f"{len(linears)} linears: {method.name}")
@@ -79,6 +83,19 @@ def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) ->
             m.weight, m.method, m.dtype = None, method, dtype
     kinds = ", ".join(f"{count} {name}" for name, count in sorted(formats.items()))
     return [f"{len(layers)} quantized linears and embeddings ({kinds}): {method.name}"]
+
+
+def _bind_experts(model: nn.Module, platform: Platform) -> list[str]:
+    """Quantized experts: the platform's experts method (float ones stay with torch's)."""
+    layers = [m for m in model.modules() if isinstance(m, Experts) and m.gate_proj.quantized is not None]
+    if not layers:
+        return []
+    method = platform.experts_method()
+    if method is None:
+        raise ValueError(f"quantized experts need the {platform.name} platform's experts kernel, which did not load")
+    for m in layers:
+        m.set_method(method)
+    return [f"{len(layers)} MoE layers: {method.name}"]
 
 
 def weight_bytes(model: nn.Module) -> int:

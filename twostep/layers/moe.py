@@ -105,6 +105,9 @@ class Experts(nn.Module):
         self.method: ExpertsMethod = TorchExperts()
 
     def set_method(self, method: ExpertsMethod) -> None:
+        """method.bind(self) first, where it prepares what its calls take."""
+        if hasattr(method, "bind"):
+            method.bind(self)
         self.method = method
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

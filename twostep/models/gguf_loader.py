@@ -89,7 +89,7 @@ logger = logging.getLogger(__name__)
 # the required set; the Q5 and K-quants come for free from the same gguf.quants call.
 SUPPORTED_TENSOR_TYPES = (
     QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4,
 )
 
 _GLOBAL_TENSORS = {
@@ -116,13 +116,21 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",                 # the router
+    "ffn_gate_exps": "mlp.experts.gate_proj",   # [E, I, H]: every expert's, stacked (layers/moe.py)
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",     # merged by some converters: cut per expert
+    "attn_sinks": "self_attn.sinks",
 }
 # Fused HF modules -> the projections they stack, in row order.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj"),    # expert by expert
 }
 _BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ATTENTION_BIAS = re.compile(r"blk\.\d+\.attn_(q|qkv)\.bias")
 
 
@@ -132,6 +140,7 @@ def _weights(*modules: str) -> tuple[str, ...]:
 
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_MOE = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _PRE_NORM = _weights(*_ATTENTION, *_MLP, "input_layernorm", "post_attention_layernorm")
 _SANDWICH = _weights(*_ATTENTION, *_MLP, "input_layernorm", "post_attention_layernorm",
@@ -155,6 +164,7 @@ class _Architecture:
     defaults: Mapping[str, Any] = field(default_factory=dict)  # HF config values no key overrides
     # (meta, config so far) -> config entries llama.cpp derives rather than reads; ValueError: refused
     derive: Callable[[Callable[..., Any], dict], dict] | None = None
+    moe: tuple[str, ...] = ()           # a MoE layer's tensors besides the router's and experts' weights
 
 
 def _sliding_layers(pattern: int | list, num_layers: int) -> list[bool]:
@@ -195,6 +205,16 @@ def _olmo2(meta: Callable[..., Any], cfg: dict) -> dict:
     return {}
 
 
+def _gpt_oss(meta: Callable[..., Any], cfg: dict) -> dict:
+    """YaRN as gpt-oss's checkpoint has it (no truncation of the correction range); llama.cpp's clamp
+    and alpha of the SwiGLU (no key holds them), every other layer windowed (its swa pattern 2)."""
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None:
+        scaling = {**scaling, "truncate": False, "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0),
+                   "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0)}
+    return {"rope_scaling": scaling, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
 def _glm4(meta: Callable[..., Any], cfg: dict) -> dict:
     if any(meta("rope.dimension_sections", [])):
         raise ValueError("M-RoPE sections (a GLM-4 vision model) are not supported; supported: GLM-4 text models")
@@ -208,6 +228,7 @@ _ARCHITECTURES = {
     "llama": _Architecture(_PRE_NORM, **_PERMUTED),
     "qwen2": _Architecture(_PRE_NORM + _QKV_BIAS),
     "qwen3": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
+    "qwen3moe": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
     "smollm3": _Architecture(_PRE_NORM, **_PERMUTED, derive=_smollm3),
     "granite": _Architecture(_PRE_NORM, **_PERMUTED, metadata={
         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -225,6 +246,10 @@ _ARCHITECTURES = {
         metadata={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
                   "rope.freq_base_swa": "rope_local_base_freq"},
         defaults={**_GELU, "rope_local_base_freq": 10000.0}),
+    "gpt-oss": _Architecture(
+        _weights(*_ATTENTION, "input_layernorm", "post_attention_layernorm") + _ALL_BIAS + ("self_attn.sinks",),
+        moe=("mlp.gate.bias", "mlp.experts.gate_proj.bias", "mlp.experts.up_proj.bias", "mlp.experts.down_proj.bias"),
+        metadata={"attention.sliding_window": "sliding_window"}, derive=_gpt_oss),
     "glm4": _Architecture(_SANDWICH, optional=_QKV_BIAS, rotary_rows="pairs", partial_rotary=True,
                           names={**_GEMMA_NORMS, "ffn_up": "mlp.gate_up_proj"}, derive=_glm4),
 }
@@ -374,6 +399,8 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
         "eos_token_id": special["eos"],
         "pad_token_id": special["pad"],
     }
+    if meta("expert_count", 0):
+        config |= _experts(reader, meta, config, arch, path)
     if spec.partial_rotary:     # always: GLM-4's reader takes half the head where the key is absent
         config["partial_rotary_factor"] = partial
     if (freq_factors := _config_tensor(reader, "rope_freqs.weight")) is not None:
@@ -388,6 +415,28 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     return config
+
+
+def _experts(reader: GGUFFile, meta: Callable[..., Any], config: dict, arch: str, path: str) -> dict:
+    """A mixture of experts' settings (layers/moe.py), checked against its tensors: each layer with a
+    router (ffn_gate_inp) routes to experts, the others are dense. llama.cpp renormalises the chosen
+    experts' weights of every such file (Qwen3-MoE's norm_topk_prob, Mixtral's way); a llama file
+    with experts is Mixtral."""
+    count, used = meta("expert_count"), meta("expert_used_count", 0)
+    if not 0 < used <= count:
+        raise ValueError(f"{path}: {arch}.expert_used_count is {used}; a token takes 1 to expert_count "
+                         f"({count}) experts")
+    for t in reader.tensors:
+        experts = int(t.shape[-1]) if "_exps." in t.name or ".ffn_gate_inp." in t.name else count
+        if experts != count:
+            raise ValueError(f"{path}: tensor {t.name!r} holds {experts} experts; {arch}.expert_count says {count}")
+    routed = {int(m[1]) for t in reader.tensors if (m := _ROUTER.fullmatch(t.name))}
+    moe = {"num_experts": count, "num_experts_per_tok": used, "norm_topk_prob": True,
+           "moe_intermediate_size": meta("expert_feed_forward_length", config["intermediate_size"]),
+           "mlp_only_layers": sorted(set(range(config["num_hidden_layers"])) - routed)}
+    if arch == "llama":
+        moe["architectures"] = ["MixtralForCausalLM"]
+    return moe
 
 
 def _config_tensor(reader: GGUFFile, name: str) -> list[float] | None:
@@ -456,7 +505,9 @@ def _hf_names(gguf_name: str, path: str, arch: str) -> list[str]:
         module = spec.names.get(part) or _BLOCK_TENSORS.get(part)
         if module is not None:
             names = [f"model.layers.{layer}.{m}.{kind}" for m in _FUSED.get(module, (module,))]
-    allowed = set(spec.layer) | set(spec.optional)
+            if module == "self_attn.sinks":      # a parameter of the attention, not a module's weight
+                names = [f"model.layers.{layer}.{module}"]
+    allowed = set(spec.layer) | set(spec.optional) | set(_weights(*_MOE)) | set(spec.moe)
     if not names or any(name.split(".", 3)[3] not in allowed for name in names):
         # Loading around an unknown tensor would run a different model than the file describes.
         raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {arch} GGUF")
@@ -464,8 +515,10 @@ def _hf_names(gguf_name: str, path: str, arch: str) -> list[str]:
 
 
 def _projection_rows(name: str, config: dict) -> int:
-    """How many rows a projection has in a fused tensor (q, k, v, gate, up)."""
+    """How many rows a projection has in a fused tensor (q, k, v, gate, up; an expert's gate, up)."""
     module = name.split(".", 3)[3].rsplit(".", 1)[0]
+    if module.startswith("mlp.experts."):
+        return config["moe_intermediate_size"]
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"],
              "self_attn.v_proj": config["num_key_value_heads"]}
     return heads[module] * config["head_dim"] if module in heads else config["intermediate_size"]
@@ -476,11 +529,19 @@ def _unfused(weight: torch.Tensor | QuantizedWeight, names: list[str], config: d
     if len(names) == 1:
         return [weight]
     sizes = [_projection_rows(name, config) for name in names]
+    experts = config.get("num_experts", 1) if ".experts." in names[0] else 1     # each expert's parts in turn
     rows = weight.n if isinstance(weight, QuantizedWeight) else weight.shape[0]
-    if rows != sum(sizes):
+    if rows != experts * sum(sizes):
         raise ValueError(f"{path}: tensor {gguf_name!r} has {rows} rows; its parts "
-                         f"{', '.join(n.rsplit('.', 2)[-2] for n in names)} have {sum(sizes)}")
-    return split_rows(weight, sizes)
+                         f"{', '.join(n.rsplit('.', 2)[-2] for n in names)} have {experts * sum(sizes)}")
+    if experts == 1:
+        return split_rows(weight, sizes)
+    return [_take_rows(weight, torch.cat([torch.arange(e * sum(sizes) + sum(sizes[:i]), e * sum(sizes) + sum(sizes[:i + 1]))
+                                          for e in range(experts)])) for i in range(len(sizes))]
+
+
+def _take_rows(weight: torch.Tensor | QuantizedWeight, rows: torch.Tensor):
+    return weight.rows(rows) if isinstance(weight, QuantizedWeight) else weight[rows]
 
 
 def _rotary_row_order(name: str, rows: int, arch: str, config: dict) -> torch.Tensor | None:
@@ -497,8 +558,11 @@ def _rotary_row_order(name: str, rows: int, arch: str, config: dict) -> torch.Te
 
 def _dequantize(tensor) -> torch.Tensor:
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    # ggml lists dimensions fastest-moving first; torch wants them the other way round.
+    # ggml lists dimensions fastest-moving first; torch wants them the other way round; experts
+    # [E, n, k] are stacked as [E * n, k] (layers/moe.py)
     shape = tuple(int(d) for d in reversed(tensor.shape))
+    if len(shape) == 3:
+        shape = (shape[0] * shape[1], shape[2])
     # np.array copies: F32 data is a read-only view of the memory-mapped file.
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
@@ -514,7 +578,8 @@ def _unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _packed(tensor, path: str) -> QuantizedWeight:
-    n, k = (int(d) for d in reversed(tensor.shape))
+    """A matrix, or experts [E, n, k] as the rows of one [E * n, k]."""
+    k, n = int(tensor.shape[0]), int(np.prod([int(d) for d in tensor.shape[1:]]))
     try:
         return QuantizedWeight((pack_gguf(tensor.data, tensor.tensor_type, n, k),))
     except ValueError as e:
@@ -528,8 +593,10 @@ def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
         if tensor.name in _CONFIG_TENSORS:      # read into the config
             continue
         names = _hf_names(tensor.name, path, arch)
-        packed = keep_quantized and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) == 2
+        packed = keep_quantized and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) in (2, 3)
         weight = _packed(tensor, path) if packed else _dequantize(tensor)
+        if "_exps.bias" in tensor.name:         # every expert's bias [E, n], as the experts' [E * n]
+            weight = weight.reshape(-1)
         for name, part in zip(names, _unfused(weight, names, config, tensor.name, path)):
             order = _rotary_row_order(name, part.n if packed else part.shape[0], arch, config)
             if order is not None:
@@ -542,8 +609,11 @@ def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
 def _check_complete(tensors: dict[str, torch.Tensor], config: dict, path: str, arch: str) -> None:
     spec = _ARCHITECTURES[arch]
     layer = spec.layer + (spec.optional if config["attention_bias"] else ())
+    moe_layer = tuple(t for t in layer if t not in _weights(*_MLP)) + _weights(*_MOE) + spec.moe
+    dense = set(config.get("mlp_only_layers", ())) if config.get("num_experts") else set(range(config["num_hidden_layers"]))
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{part}" for i in range(config["num_hidden_layers"]) for part in layer}
+    expected |= {f"model.layers.{i}.{part}" for i in range(config["num_hidden_layers"])
+                 for part in (layer if i in dense else moe_layer)}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

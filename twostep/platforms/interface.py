@@ -32,6 +32,11 @@ class Platform:
         None: such weights are dequantized at load to the model's dtype."""
         return None
 
+    def experts_method(self):
+        """An ExpertsMethod (layers/moe.py) for quantized experts, or None: their weights are
+        dequantized at load and the experts run in torch."""
+        return None
+
     def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
         """t in the memory this platform keeps the weights a decode step streams in (a copy), or t."""
         return t

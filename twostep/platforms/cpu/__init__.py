@@ -16,6 +16,7 @@ from twostep.kernels.cpu_features import cpu_flags
 from twostep.config.engine import EngineConfig
 from twostep.platforms.cpu.bf16_weights import Bf16WeightsLinearMethod
 from twostep.platforms.cpu.elementwise import elementwise_op
+from twostep.platforms.cpu.experts import QuantizedExperts
 from twostep.platforms.cpu.huge_pages import HugePageArena, give_back_freed_memory, thp_setting
 from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
 from twostep.platforms.cpu.paged_attention import paged_decode_attention
@@ -64,6 +65,10 @@ class CpuPlatform(Platform):
     def quantized_linear_method(self) -> QuantizedLinearMethod | None:
         kernel = kernels.quant_linear()
         return None if kernel is None else QuantizedLinearMethod(kernel, self.config.cpu_int8_activations, self.arena)
+
+    def experts_method(self) -> QuantizedExperts | None:
+        method = self.quantized_linear_method()
+        return None if method is None else QuantizedExperts(method)
 
     def place_streamed(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.arena is None else self.arena.place(t)

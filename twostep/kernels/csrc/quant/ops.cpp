@@ -77,34 +77,6 @@ void with_rows(const at::Tensor& t, F&& f) {
   TWOSTEP_DISPATCH_FLOATS(t.scalar_type(), "twostep's quantized products", [&] { f(t.data_ptr<scalar_t>()); });
 }
 
-// gemv and gemm_int8 after their checks of the planes: x [M, p.k] and out [M, n] as they say
-void gemv_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
-  const int64_t m = x.size(0);
-  TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
-  TORCH_CHECK(m <= (p.panels ? kPanelCallRows : 8), "gemv takes 1 to ", p.panels ? kPanelCallRows : 8,
-              " rows in this layout; got ", m);
-  QuantizedActivations a;
-  with_rows(x, [&](const auto* xs) {
-    a = quantize_int16(xs, m, p.k, x.stride(0), p.group, p.mins != nullptr, p.panels && p.bits == 8 && kQuadPasses);
-  });
-  with_rows(out, [&](auto* o) {
-    p.panels ? panels_gemv(p, n, m, a, o, out.stride(0)) : rows_gemv(p, n, m, a, o, out.stride(0));
-  });
-}
-
-void gemm_int8_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
-  TORCH_CHECK(p.bits != 8 || kDpbusd, "this build's int8 product takes 4 to 6-bit codes (8-bit ones need VNNI)");
-  TORCH_CHECK(kInt8, "this build has no int8 product (it needs AVX2)");
-  const int64_t m = x.size(0);
-  if (m == 0) return;
-  Int8Activations a;
-  with_rows(x, [&](const auto* xs) { a = quantize_int8(xs, m, p.k, x.stride(0), p.group); });
-  with_rows(out, [&](auto* o) {
-    p.panels && m < kSmallRows ? gemv_int8_panels(p, n, m, a, o, out.stride(0))
-                               : gemm_int8_tiles(p, n, m, a, o, out.stride(0));
-  });
-}
-
 // out = x . w^T as gemm_int8 (int8) or gemv computes it, for w checked by checked_planes. Through
 // the dispatcher a call read each plane's tensor (its impl and storage) and the op's entry, every one
 // of them evicted by the step's weight stream: ~0.7 us a call, ~100 calls a step. The same products,
@@ -154,6 +126,34 @@ Planes brgemm_planes(const char* name, at::ScalarType type, bool runs, const at:
 }
 
 }  // namespace
+
+// gemv and gemm_int8 after their checks of the planes: x [M, p.k] and out [M, n] as they say
+void gemv_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
+  const int64_t m = x.size(0);
+  TORCH_CHECK(!p.panels || kPanels, "this build has no product for the panel layout");
+  TORCH_CHECK(m <= (p.panels ? kPanelCallRows : 8), "gemv takes 1 to ", p.panels ? kPanelCallRows : 8,
+              " rows in this layout; got ", m);
+  QuantizedActivations a;
+  with_rows(x, [&](const auto* xs) {
+    a = quantize_int16(xs, m, p.k, x.stride(0), p.group, p.mins != nullptr, p.panels && p.bits == 8 && kQuadPasses);
+  });
+  with_rows(out, [&](auto* o) {
+    p.panels ? panels_gemv(p, n, m, a, o, out.stride(0)) : rows_gemv(p, n, m, a, o, out.stride(0));
+  });
+}
+
+void gemm_int8_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(p.bits != 8 || kDpbusd, "this build's int8 product takes 4 to 6-bit codes (8-bit ones need VNNI)");
+  TORCH_CHECK(kInt8, "this build has no int8 product (it needs AVX2)");
+  const int64_t m = x.size(0);
+  if (m == 0) return;
+  Int8Activations a;
+  with_rows(x, [&](const auto* xs) { a = quantize_int8(xs, m, p.k, x.stride(0), p.group); });
+  with_rows(out, [&](auto* o) {
+    p.panels && m < kSmallRows ? gemv_int8_panels(p, n, m, a, o, out.stride(0))
+                               : gemm_int8_tiles(p, n, m, a, o, out.stride(0));
+  });
+}
 
 void gemv(const at::Tensor& x, const at::Tensor& qs, const OptionalTensor& qh, const at::Tensor& scales,
           const OptionalTensor& mins, int64_t bits, int64_t group, int64_t zero, at::Tensor& out) {

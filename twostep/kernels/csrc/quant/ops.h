@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "layout.h"
+
 #include <string>
 #include <vector>
 
@@ -39,6 +41,20 @@ at::Tensor checked_planes(const at::Tensor& qs, const OptionalTensor& qh, const 
                           const OptionalTensor& mins, int64_t bits, int64_t group, int64_t zero, int64_t k);
 int64_t planes_product_address();
 int64_t planes_rows_address();
+
+// A mixture-of-experts layer's experts over a step's rows (experts.cpp): out [T, H] = for each row,
+// sum over j of weights[t, j] * expert ids[t, j]'s MLP of x[t]; gate, up [E * I, H] and down
+// [E * H, I] as checked_planes gives them, float32 biases [E * rows] or none; act 0: SiLU, 2:
+// gpt-oss's clamped SwiGLU (alpha, limit); int8: the int8 product for the widths it takes
+void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
+             const at::Tensor& up, const at::Tensor& down, int64_t num_experts, int64_t act, double alpha,
+             double limit, const OptionalTensor& gate_bias, const OptionalTensor& up_bias,
+             const OptionalTensor& down_bias, bool int8, at::Tensor& out);
+int64_t experts_address();
+
+// The products behind the ops, after their checks of the planes (ops.cpp): x [M, p.k] -> out [M, n]
+void gemv_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out);
+void gemm_int8_planes(const Planes& p, int64_t n, const at::Tensor& x, at::Tensor& out);
 
 // what this build has
 std::string path();

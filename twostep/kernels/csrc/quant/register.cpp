@@ -79,5 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_f32", &gemm_f32, "float32 rows x the panel layout through oneDNN's float brgemm (has_f32_gemm())");
   m.def("has_f32_gemm", &has_f32_gemm, "whether this build and CPU have gemm_f32");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as floats");
+  m.def("experts", &experts, "a mixture-of-experts layer's chosen experts over a step's rows (experts.cpp)");
+  m.def("experts_address", &experts_address, "the address of experts, for the decode stack");
   m.def("path", &path, "the instruction set this build uses");
 }
