@@ -30,7 +30,7 @@ def stack_or_skip(engine: LLMEngine) -> LLMEngine:
 
     if kernels.decode_step() is None:
         pytest.skip("the decode-step kernel cannot be built here (no g++ or ninja)")
-    linear = engine.model.model.layers[0].mlp.down_proj
+    linear = engine.model.model.layers[0].self_attn.o_proj
     if linear.method.fused(linear, kernels.decode_step(), engine.dtype) is None:
         pytest.skip(f"{linear.method.name}: no matrix-vector kernel for these weights on this CPU")
     assert engine.model.fused_decode is not None, "the kernels build, so the decode stack must be bound"
@@ -138,6 +138,20 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
         assert limit >= 8
         assert all(one_call_of_passes(method, p, limit, engine.dtype) for p in parts)
         assert not all(one_call_of_passes(method, p, limit + 1, engine.dtype) for p in parts)
+    counted = CountedStack(engine)
+    fused = outputs(engine)
+    assert counted.taken > 0
+    assert fused == outputs(layer_by_layer(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization)))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss"])
+def test_the_decode_stack_runs_quantized_experts_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
+    """The router and the experts kernel (int8 activations where they apply) as one instruction:
+    the same tokens, bit for bit, as the layers' SparseMoE."""
+    engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
+    assert "quantized experts" in engine.model.model.layers[0].mlp.experts.method.name
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0

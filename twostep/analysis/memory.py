@@ -1,7 +1,8 @@
 """How much KV cache a context and a concurrency need, and how much fits next to the weights.
 
 Weights and KV only: activations, the allocator's slack and the runtime's own memory come on top,
-so the maxima here are upper bounds.
+so the maxima here are upper bounds. The weights are all of them: a mixture-of-experts model keeps
+every expert resident (its total N, not the active N' a token runs through).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class MemoryPlan:
 
 def plan_memory(m: ModelStats, budget: int, context: int, concurrency: int) -> MemoryPlan:
     k = m.kv.bytes_per_token
-    kv_budget = budget - m.weight_bytes
+    kv_budget = budget - m.weight_bytes         # N x b: every expert, however few a token takes
     per_sequence = m.kv.bytes_at(context)
     kv_bytes = per_sequence * concurrency
     max_tokens = int(kv_budget // k) if kv_budget > 0 else 0

@@ -2,7 +2,8 @@
 
 Each `config_json` is copied from the model's config.json on the Hugging Face hub (the repo named),
 trimmed to what parameter and KV counting need. `published_params` is the parameter count the model
-card states, kept so tests can hold our counting against it.
+card states, kept so tests can hold our counting against it; for a mixture of experts it is the
+total, and `published_active` the card's "activated" count (both with the embedding and the head).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class ModelPreset:
     repo: str
     published_params: float
     config_json: str
+    published_active: float | None = None     # a mixture of experts': parameters a token runs through
 
     def hf_config(self) -> dict:
         return json.loads(self.config_json)
@@ -63,6 +65,15 @@ MODEL_PRESETS = (
         "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
         "torch_dtype": "bfloat16"}"""),
+    # a mixture of experts: 128 experts of 768 in every layer, 8 per token; "30.5B in total and 3.3B
+    # activated" (the card)
+    ModelPreset("qwen3-30b-a3b", "Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", 30.5e9, """{
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": true,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"}""", published_active=3.3e9),
 )
 
 

@@ -6,15 +6,18 @@ weight: a GGUF file's header and tensor table are enough.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from twostep.analysis.model_presets import MODEL_PRESETS, find_model_preset
 from twostep.analysis.number_formats import NumberFormat, find_format
 
-# GGUF architecture names whose metadata keys map one to one onto a HF config of these classes.
+# GGUF architecture names whose metadata keys map one to one onto a HF config of these classes
+# (a llama file with experts is Mixtral, as the engine's GGUF loader reads it).
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM"}
+                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_GGUF_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _GGUF_FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
@@ -82,10 +85,14 @@ def _gguf_hf_config(meta: dict, arch: str, tensors: dict) -> dict:
 
     heads = meta[key("attention.head_count")]
     hidden = meta[key("embedding_length")]
-    return {
+    experts = meta.get(key("expert_count"), 0)
+    feed_forward = key("feed_forward_length")
+    if experts and feed_forward not in meta:    # a MoE file without dense layers may leave it out
+        feed_forward = key("expert_feed_forward_length")
+    config = {
         "architectures": [_GGUF_ARCHITECTURES[arch]],
         "hidden_size": hidden,
-        "intermediate_size": meta[key("feed_forward_length")],
+        "intermediate_size": meta[feed_forward],
         "num_hidden_layers": meta[key("block_count")],
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(key("attention.head_count_kv"), heads),
@@ -95,6 +102,22 @@ def _gguf_hf_config(meta: dict, arch: str, tensors: dict) -> dict:
         "max_position_embeddings": meta[key("context_length")],
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+    if experts:
+        config |= _gguf_experts(meta, key, config, tensors, arch)
+    return config
+
+
+def _gguf_experts(meta: dict, key, config: dict, tensors: dict, arch: str) -> dict:
+    """A mixture of experts' keys under their HF names: the expert count, how many a token takes,
+    each one's size; a layer routes to experts where it has a router (ffn_gate_inp), the others
+    are dense (mlp_only_layers), as the engine's GGUF loader reads them."""
+    routed = {int(m[1]) for name in tensors if (m := _GGUF_ROUTER.fullmatch(name))}
+    moe = {"num_experts": meta[key("expert_count")], "num_experts_per_tok": meta[key("expert_used_count")],
+           "moe_intermediate_size": meta.get(key("expert_feed_forward_length"), config["intermediate_size"]),
+           "mlp_only_layers": sorted(set(range(config["num_hidden_layers"])) - routed)}
+    if arch == "llama":
+        moe["architectures"] = ["MixtralForCausalLM"]
+    return moe
 
 
 def _gguf_stored_format(reader) -> NumberFormat:

@@ -1,5 +1,11 @@
 """What the roofline needs to know of a model: N (parameters), b (bytes per weight) and k (KV bytes
-per token), all from its config."""
+per token), all from its config.
+
+A mixture-of-experts model (layers/moe.py) has two N: the total, every expert of every layer, which
+is what memory holds, and the active count, what one token runs through (the experts it is routed
+to, k of E in each MoE layer, in place of all E), which sets its FLOPs and, at batch 1, the weight
+bytes decode reads per token. Both count the embedding and the head alike, as a dense model's N does
+(and as the published figures do: Qwen3-30B-A3B's "30.5B total, 3.3B activated")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +24,37 @@ class ParamCounts:
     final_norm: int
     tied: bool
     total: int          # what is stored: a tied head is counted once, inside the embedding
+    # what one token runs through: `total` less the experts it is not routed to (a dense model: total)
+    active: int
+    # mixture of experts (0 where dense): E, k, how many layers route, one expert's parameters (its
+    # gate, up and down, and their biases), every expert of every layer, and the routers
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_layers: int = 0
+    expert: int = 0
+    experts: int = 0
+    routers: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def experts_read(self, tokens: int) -> float:
+        """How many distinct experts `tokens` tokens going through a MoE layer together take, expected:
+        E (1 - (1 - k/E)^tokens), each token's k drawn uniformly and independently (k at 1 token, all E
+        as the tokens grow). A real router's choices are neither, so it is an estimate; tokens of one
+        sequence tend to share experts, which reads fewer."""
+        if not self.is_moe:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_tok
+        return e * (1 - (1 - k / e) ** tokens)
+
+    def params_read(self, tokens: int) -> float:
+        """The parameters `tokens` tokens going through the model together read once: all of a dense
+        model; a MoE model's without the experts none of them takes."""
+        if not self.is_moe:
+            return float(self.total)
+        return self.total - self.experts + self.moe_layers * self.expert * self.experts_read(tokens)
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,8 +96,29 @@ class ModelStats:
     num_params: float
     weight_format: str
     bytes_per_weight: float     # b
-    weight_bytes: float         # N x b
+    weight_bytes: float         # N x b: what memory holds (a MoE model: every expert)
     kv: KVStats
+    # N' : what one token runs through, 2N' its FLOPs. A dense model's N; a MoE model's active count
+    # (scaled with N where the caller gives N).
+    active_params: float
+    active_weight_bytes: float          # N' x b: the weights decode reads per token at batch 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.params.is_moe
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """The weight bytes `tokens` tokens going through the model together read, once for all of
+        them: N x b for a dense model; for a MoE model the experts they take, expected (experts_read),
+        beside everything else, from N' x b at one token towards N x b."""
+        if not self.is_moe:
+            return self.weight_bytes
+        return self.params.params_read(tokens) * self._scale * self.bytes_per_weight
+
+    @property
+    def _scale(self) -> float:
+        """A given N over the counted one: the active and read counts scale with it."""
+        return self.num_params / self.params.total
 
 
 def model_stats(source: ModelSource, weights: NumberFormat, kv: NumberFormat,
@@ -70,25 +128,38 @@ def model_stats(source: ModelSource, weights: NumberFormat, kv: NumberFormat,
     n = params.total if num_params is None else num_params
     if n <= 0:
         raise ValueError(f"the parameter count must be positive, got {num_params}")
+    active = n if not params.is_moe else params.active * n / params.total
     return ModelStats(
         name=source.name, architecture=cfg.architecture, num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
         params=params, num_params=n, weight_format=weights.name, bytes_per_weight=weights.bytes,
-        weight_bytes=n * weights.bytes, kv=kv_stats(cfg, kv),
+        weight_bytes=n * weights.bytes, kv=kv_stats(cfg, kv), active_params=active,
+        active_weight_bytes=active * weights.bytes,
     )
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     embedding = cfg.vocab_size * cfg.hidden_size
-    layers = cfg.num_layers * _layer_params(cfg)
+    attention = _attention_params(cfg) + _norms_per_layer(cfg) * cfg.hidden_size
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size              # gated: gate, up, down
+    expert = _expert_params(cfg) if moe else 0
+    router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.router_bias else 0)
+    experts, routers = len(moe) * cfg.num_experts * expert, len(moe) * router
+    layers = cfg.num_layers * attention + (cfg.num_layers - len(moe)) * dense_mlp + routers + experts
     stored_head = 0 if cfg.tie_word_embeddings else embedding
+    total = embedding + stored_head + layers + cfg.hidden_size
+    # a token runs through its k experts of each MoE layer, not all E
+    active = total - experts + len(moe) * cfg.num_experts_per_tok * expert
     return ParamCounts(embedding=embedding, lm_head=embedding, layers=layers,
-                       final_norm=cfg.hidden_size, tied=cfg.tie_word_embeddings,
-                       total=embedding + stored_head + layers + cfg.hidden_size)
+                       final_norm=cfg.hidden_size, tied=cfg.tie_word_embeddings, total=total,
+                       active=active, num_experts=cfg.num_experts if moe else 0,
+                       experts_per_tok=cfg.num_experts_per_tok if moe else 0, moe_layers=len(moe),
+                       expert=expert, experts=experts, routers=routers)
 
 
-def _layer_params(cfg: ModelConfig) -> int:
+def _attention_params(cfg: ModelConfig) -> int:
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size   # q, k, v in; o out
@@ -98,8 +169,15 @@ def _layer_params(cfg: ModelConfig) -> int:
         attention += 2 * cfg.head_dim
     elif cfg.qk_norm == "full":                                         # OLMo 2's over all heads
         attention += q + kv
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size                   # gated: gate, up, down
-    return attention + mlp + _norms_per_layer(cfg) * cfg.hidden_size
+    attention += cfg.num_heads if cfg.attn_sinks else 0                 # gpt-oss: a sink logit per head
+    return attention
+
+
+def _expert_params(cfg: ModelConfig) -> int:
+    """One expert's gated MLP: gate and up [moe_intermediate, hidden], down [hidden, moe_intermediate],
+    with gpt-oss's biases."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return 3 * h * i + ((2 * i + h) if cfg.expert_bias else 0)
 
 
 def _norms_per_layer(cfg: ModelConfig) -> int:

@@ -17,15 +17,20 @@ def to_json(a: Analysis) -> str:
 
 def format_report(a: Analysis) -> str:
     hw, c = a.hardware, a.crossover
-    lines = _model_lines(a.model)
+    m = a.model
+    lines = _model_lines(m)
     lines.append(f"{hw.name}: {_rate(hw.peak_flops, 'FLOP/s')}, {_rate(hw.bandwidth, 'B/s')}, "
                  f"{_size(hw.memory)}; ridge {hw.ridge:.1f} FLOP/byte")
-    lines += ["", "prefill, 1 sequence of S tokens: intensity 2NS/(Nb+kS)"]
-    lines += _phase_table("S", a.prefill, "TTFT >=", lambda p: p.tokens)
-    lines.append(_prefill_flip(c))
-    lines += ["", f"decode, B sequences at context S={c.decode_context:,}: intensity 2NB/(Nb+kSB)"]
-    lines += _phase_table("B", a.decode, "TPOT >=", lambda p: p.batch)
-    lines.append(_decode_flip(c))
+    if m.is_moe:    # N' active, W(x) the weights x tokens' experts read (roofline.py)
+        prefill, decode = "2N'S/(W(S)+kS)", "2N'B/(W(B)+kSB)"
+    else:
+        prefill, decode = "2NS/(Nb+kS)", "2NB/(Nb+kSB)"
+    lines += ["", f"prefill, 1 sequence of S tokens: intensity {prefill}"]
+    lines += _phase_table("S", a.prefill, "TTFT >=", lambda p: p.tokens, m)
+    lines.append(_prefill_flip(c, m))
+    lines += ["", f"decode, B sequences at context S={c.decode_context:,}: intensity {decode}"]
+    lines += _phase_table("B", a.decode, "TPOT >=", lambda p: p.batch, m)
+    lines.append(_decode_flip(c, m))
     lines += [""] + _memory_lines(a)
     return "\n".join(lines)
 
@@ -40,13 +45,27 @@ def _model_lines(m: ModelStats) -> list[str]:
         f"  N = {_count(m.num_params)} parameters{given}",
         f"      layers {_count(p.layers)}, embedding {_count(p.embedding)}, "
         f"lm_head {_count(p.lm_head)} ({head}), final norm {p.final_norm}",
+    ] + _moe_lines(m) + [
         f"  b = {m.bytes_per_weight:.4g} bytes/weight ({m.weight_format}): "
-        f"weights {_size(m.weight_bytes)}",
+        f"weights {_size(m.weight_bytes)}" + (
+            f" resident, {_size(m.active_weight_bytes)} read per token at batch 1" if m.is_moe else ""),
         f"  k = {kv.bytes_per_token:,} bytes/token = 2 x {m.num_layers} layers x {m.num_kv_heads} "
         f"KV heads x ({m.head_dim} x {kv.bytes_per_value} B"
         f"{' + 2 B scale' if kv.bytes_per_value == 1 else ''}) ({kv.format})",
         f"      {kv.attention}: MHA would need {kv.mha_bytes_per_token:,}, {kv.saving:.1f}x as much",
     ] + _window_lines(m)
+
+
+def _moe_lines(m: ModelStats) -> list[str]:
+    """Total and active parameters: memory holds every expert, a token runs through k of them."""
+    p = m.params
+    if not p.is_moe:
+        return []
+    scale = m.num_params / p.total
+    return [f"  parameters: {_billions(m.num_params)} total, {_billions(m.active_params)} active per token "
+            f"({p.experts_per_tok} of {p.num_experts} experts)",
+            f"      N' = {_count(m.active_params)} active, 2N' FLOPs per token; experts "
+            f"{_count(p.experts * scale)} ({p.num_experts} x {_count(p.expert * scale)} x {p.moe_layers} layers)"]
 
 
 def _window_lines(m: ModelStats, context: int = 8192) -> list[str]:
@@ -60,7 +79,7 @@ def _window_lines(m: ModelStats, context: int = 8192) -> list[str]:
             f"everywhere ({full / held:.1f}x)"]
 
 
-def _phase_table(key: str, points: tuple[PhasePoint, ...], time_label: str, size) -> list[str]:
+def _phase_table(key: str, points: tuple[PhasePoint, ...], time_label: str, size, m: ModelStats) -> list[str]:
     rows = [
         [key] + [f"{size(p):,}" for p in points],
         ["FLOP/byte"] + [_intensity(p.intensity) for p in points],
@@ -68,21 +87,25 @@ def _phase_table(key: str, points: tuple[PhasePoint, ...], time_label: str, size
         [time_label] + [_time(p.time_s) for p in points],
         ["tokens/s <="] + [f"{p.tokens_per_s:,.0f}" for p in points],
     ]
+    if m.is_moe:    # W(x): the weights of the experts these tokens take, expected
+        rows.insert(1, ["weights read"] + [_size(m.weight_bytes_read(size(p))) for p in points])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  " + row[0].ljust(widths[0]) + "".join(cell.rjust(w + 2) for cell, w in
                                                      zip(row[1:], widths[1:])) for row in rows]
 
 
-def _prefill_flip(c: Crossover) -> str:
+def _prefill_flip(c: Crossover, m: ModelStats) -> str:
     if c.prefill_min_prompt_len is None:
-        return (f"  never compute-bound: intensity tends to 2N/k = {c.prefill_intensity_limit:.1f} "
+        n = "N'" if m.is_moe else "N"
+        return (f"  never compute-bound: intensity tends to 2{n}/k = {c.prefill_intensity_limit:.1f} "
                 f"< ridge {c.ridge:.1f}")
     return f"  compute-bound from S >= {c.prefill_min_prompt_len:,} tokens"
 
 
-def _decode_flip(c: Crossover) -> str:
+def _decode_flip(c: Crossover, m: ModelStats) -> str:
     if c.decode_min_batch is None:
-        return (f"  never compute-bound at this context: intensity tends to 2N/(kS) = "
+        n = "N'" if m.is_moe else "N"
+        return (f"  never compute-bound at this context: intensity tends to 2{n}/(kS) = "
                 f"{c.decode_intensity_limit:.1f} < ridge {c.ridge:.1f} as B grows")
     return f"  compute-bound from B >= {c.decode_min_batch:,} sequences"
 
@@ -92,7 +115,8 @@ def _memory_lines(a: Analysis) -> list[str]:
     need = mem.weight_bytes + mem.kv_bytes
     lines = [f"memory {_size_gib(mem.budget)}, weights and KV only (activations come on top)",
              f"  KV cache for {mem.concurrency:,} x {mem.context:,} tokens: {_size_gib(mem.kv_bytes)}; "
-             f"with the weights {_size(need)}: {'fits' if mem.fits else 'does not fit'}"]
+             f"with the weights{' (every expert)' if a.model.is_moe else ''} {_size(need)}: "
+             f"{'fits' if mem.fits else 'does not fit'}"]
     if mem.kv_budget <= 0:
         lines.append(f"  the weights alone exceed the memory by {_size(-mem.kv_budget)}")
         return lines
@@ -110,6 +134,10 @@ def _intensity(x: float) -> str:
 
 def _count(n: float) -> str:
     return f"{n:.4g}" if n < 1e4 else f"{n:.4e}".replace("e+0", "e").replace("e+", "e")
+
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,.0f}"
 
 
 def _scaled(value: float, units: tuple[str, ...]) -> tuple[float, str]:

@@ -11,6 +11,16 @@ decode:  x = B sequences of one token each, c = k S (each reads its context's K 
 
 Attention's own FLOPs (~4 x layers x heads x head_dim per token pair) are left out, as the text does;
 leaving FLOPs out keeps the times below lower bounds.
+
+A mixture-of-experts model (model_stats.py) splits N: each token costs 2N' FLOPs, N' its active
+parameters, and the x tokens read the weights of the experts they take, W(x) bytes, from N' b at one
+token towards N b (every expert) as x grows; the expected distinct experts per layer is
+E (1 - (1 - k/E)^x), for decode's batch of B sequences as for prefill's S tokens:
+
+    intensity(x) = 2N' x / (W(x) + c x)
+
+So decode's bound at batch 1 is the active weight bytes per token, not all of them; a dense model
+has N' = N and W(x) = N b, the formula above.
 """
 from __future__ import annotations
 
@@ -68,14 +78,15 @@ class PhasePoint:
 
 
 def prefill_point(m: ModelStats, hw: Hardware, prompt_len: int) -> PhasePoint:
-    flops = 2 * m.num_params * prompt_len
-    nbytes = m.weight_bytes + m.kv.bytes_at(prompt_len)
+    flops = 2 * m.active_params * prompt_len
+    nbytes = m.weight_bytes_read(prompt_len) + m.kv.bytes_at(prompt_len)
     return _point("prefill", prompt_len, 1, flops, nbytes, hw, new_tokens=prompt_len)
 
 
 def decode_point(m: ModelStats, hw: Hardware, context: int, batch: int) -> PhasePoint:
-    flops = 2 * m.num_params * batch
-    nbytes = m.weight_bytes + m.kv.bytes_at(context) * batch
+    flops = 2 * m.active_params * batch
+    # a MoE model: the experts the batch's B tokens take, E (1 - (1 - k/E)^B) per layer expected
+    nbytes = m.weight_bytes_read(batch) + m.kv.bytes_at(context) * batch
     return _point("decode", context, batch, flops, nbytes, hw, new_tokens=batch)
 
 
@@ -95,19 +106,46 @@ def _point(phase: str, tokens: int, batch: int, flops: float, nbytes: float, hw:
 class Crossover:
     ridge: float                            # the hardware's peak FLOP/s / bandwidth
     prefill_min_prompt_len: int | None      # prefill is compute-bound from this S on; None: never
-    prefill_intensity_limit: float          # 2N/k, what prefill tends to as S grows
+    prefill_intensity_limit: float          # 2N/k (MoE: 2N'/k), what prefill tends to as S grows
     decode_context: int
     decode_min_batch: int | None            # decode at decode_context is compute-bound from this B on
-    decode_intensity_limit: float           # 2N/(kS), what decode tends to as B grows
+    decode_intensity_limit: float           # 2N/(kS) (MoE: 2N'/(kS)), what decode tends to as B grows
 
 
 def crossover(m: ModelStats, hw: Hardware, context: int) -> Crossover:
-    n, b, k = m.num_params, m.bytes_per_weight, m.kv.bytes_per_token
+    n, b, k = m.active_params, m.bytes_per_weight, m.kv.bytes_per_token
+    c = m.kv.bytes_at(context)
+    if m.is_moe:
+        prefill, decode = _first_compute_bound_routed(m, k, hw.ridge), _first_compute_bound_routed(m, c, hw.ridge)
+    else:
+        prefill, decode = first_compute_bound(n, b, k, hw.ridge), first_compute_bound(n, b, c, hw.ridge)
     return Crossover(
         ridge=hw.ridge,
-        prefill_min_prompt_len=first_compute_bound(n, b, k, hw.ridge),
+        prefill_min_prompt_len=prefill,
         prefill_intensity_limit=2 * n / k,
         decode_context=context,
-        decode_min_batch=first_compute_bound(n, b, m.kv.bytes_at(context), hw.ridge),
-        decode_intensity_limit=2 * n / m.kv.bytes_at(context),
+        decode_min_batch=decode,
+        decode_intensity_limit=2 * n / c,
     )
+
+
+def routed_intensity(m: ModelStats, c: float, x: int) -> float:
+    """2N'x / (W(x) + cx): x tokens of a MoE model reading the experts they take once, each bringing c
+    bytes of KV. (A dense model's W(x) = Nb: intensity(N, b, c, x).)"""
+    return 2 * m.active_params * x / (m.weight_bytes_read(x) + c * x)
+
+
+def _first_compute_bound_routed(m: ModelStats, c: float, ridge: float) -> int | None:
+    """first_compute_bound for a MoE model, whose weight bytes grow with x: no closed form, but
+    W(x)/x falls as x grows (W is concave and W(0) > 0), so the intensity rises towards 2N'/c and a
+    search finds where it passes the ridge."""
+    if 2 * m.active_params <= ridge * c:
+        return None
+    high = 1
+    while routed_intensity(m, c, high) < ridge:
+        high *= 2
+    low = high // 2         # below the ridge, or 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if routed_intensity(m, c, mid) < ridge else (low, mid)
+    return high

@@ -117,17 +117,18 @@ def weight_bytes(model: nn.Module) -> int:
 def streamed_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: every Linear's form the matrix-vector product
     takes, each tensor once (a tied lm_head is read as the head; the embedding's one row is not
-    counted)."""
+    counted); of stacked experts, the share one token's experts are."""
     seen: dict[int, int] = {}
     for m in model.modules():
         if not isinstance(m, Linear):
             continue
+        share = m.active / m.num_experts if isinstance(m, ExpertLinear) else 1
         if m.quantized is not None:
-            seen[id(m.quantized)] = m.quantized.nbytes
+            seen[id(m.quantized)] = int(m.quantized.nbytes * share)
             continue
         w = next(t for t in (getattr(m, a, None) for a in ("row_major_weight", "packed_weight", "weight"))
                  if isinstance(t, torch.Tensor))
-        seen[_storage_key(w)] = w.numel() * w.element_size()
+        seen[_storage_key(w)] = int(w.numel() * w.element_size() * share)
     return sum(seen.values())
 
 

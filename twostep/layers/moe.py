@@ -28,9 +28,10 @@ from twostep.layers.linear import Linear
 class ExpertLinear(Linear):
     """num_experts matrices [rows, in] stacked into one [num_experts * rows, in] (and a bias each)."""
 
-    def __init__(self, num_experts: int, in_features: int, rows: int, bias: bool) -> None:
+    def __init__(self, num_experts: int, in_features: int, rows: int, bias: bool, active: int) -> None:
         super().__init__(in_features, num_experts * rows, bias)
         self.num_experts, self.rows = num_experts, rows
+        self.active = active        # the experts one token reads
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Expert e's float weight [rows, in] and bias (views)."""
@@ -99,9 +100,10 @@ class Experts(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts = e
         self.act, self.alpha, self.limit = cfg.hidden_act, cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_proj = ExpertLinear(e, h, i, cfg.expert_bias)
-        self.up_proj = ExpertLinear(e, h, i, cfg.expert_bias)
-        self.down_proj = ExpertLinear(e, i, h, cfg.expert_bias)
+        k = cfg.num_experts_per_tok
+        self.gate_proj = ExpertLinear(e, h, i, cfg.expert_bias, k)
+        self.up_proj = ExpertLinear(e, h, i, cfg.expert_bias, k)
+        self.down_proj = ExpertLinear(e, i, h, cfg.expert_bias, k)
         self.method: ExpertsMethod = TorchExperts()
 
     def set_method(self, method: ExpertsMethod) -> None:

@@ -140,7 +140,13 @@ class ProgramBuilder:
         return fused[0]
 
     def moe(self, dst: int, src: int, moe) -> None:
-        raise NotFused("mixture-of-experts layers have no decode-program instruction yet")
+        experts = moe.experts
+        fused = getattr(experts.method, "fused", None)
+        args = None if fused is None else fused(experts, self.kernel)
+        if args is None:
+            raise NotFused(f"{experts.method.name} experts have no kernel the program calls")
+        self.program.moe(dst, src, self.fused(moe.gate), moe.top_k, moe.router == "topk_softmax", moe.renormalise,
+                         *args)
 
     def attention(self, dst: int, src: int, attn) -> None:
         o = attn.options

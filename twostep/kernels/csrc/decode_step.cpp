@@ -53,6 +53,11 @@ using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, do
 using PlanesProduct = void (*)(const void* planes, bool int8, const Tensor& x, Tensor& out);
 // and its planes_rows: rows of a quantized embedding table
 using PlanesRows = void (*)(const void* planes, const Tensor& ids, Tensor& out);
+// and its experts: a MoE layer's chosen experts (quant/experts.cpp)
+using ExpertsFn = void (*)(const Tensor& x, const Tensor& ids, const Tensor& weights, const Tensor& gate,
+                           const Tensor& up, const Tensor& down, int64_t num_experts, int64_t act, double alpha,
+                           double limit, const OptTensor& gate_bias, const OptTensor& up_bias,
+                           const OptTensor& down_bias, bool int8, Tensor& out);
 
 struct QuantPart {
   Tensor qs, scales;
@@ -152,10 +157,25 @@ struct FusedAttention {
   std::shared_ptr<FusedLinear> qkv, o;
 };
 
+// A decode step's mixture of experts, as layers/moe.py's SparseMoE computes it: the router (a
+// linear), its top k as route() picks them (the same ATen ops), then the experts kernel.
+struct FusedMoE {
+  std::shared_ptr<FusedLinear> router;
+  int64_t top_k;
+  bool topk_softmax;   // gpt-oss: softmax over the top k logits; else softmax, top k, renormalised or not
+  bool renormalise;
+  ExpertsFn experts;
+  Tensor gate, up, down;   // checked planes
+  int64_t num_experts, act;
+  double alpha, limit;
+  OptTensor gate_bias, up_bias, down_bias;
+  int64_t int8_rows;       // from this many rows the int8 products; 0: never
+};
+
 // What the stack runs: registers X (a layer's output), H (scratch) and R (the residual stream),
 // and the instructions the model's blocks emitted at load (each block's emit(), beside its
 // forward(), in layers/decoder_layer.py, layers/attention.py, layers/mlp.py, models/causal_lm.py).
-enum Op : int64_t { NORM, ADD_NORM, SET_RESIDUAL, ADD_RESIDUAL, SCALE, SCALE_BY, LINEAR, ACT, ATTENTION };
+enum Op : int64_t { NORM, ADD_NORM, SET_RESIDUAL, ADD_RESIDUAL, SCALE, SCALE_BY, LINEAR, ACT, ATTENTION, MOE };
 enum Act : int64_t { SILU, GELU_TANH };
 constexpr int64_t kRegisters = 3;
 
@@ -210,6 +230,17 @@ class DecodeProgram {
     push(ATTENTION, dst, src, static_cast<int64_t>(attentions_.size()) - 1, 0.0);
     num_caches_ = std::max(num_caches_, cache + 1);
     num_groups_ = std::max(num_groups_, group + 1);
+  }
+
+  void moe(int64_t dst, int64_t src, std::shared_ptr<FusedLinear> router, int64_t top_k, bool topk_softmax,
+           bool renormalise, int64_t experts_address, Tensor gate, Tensor up, Tensor down, int64_t num_experts,
+           int64_t act, double alpha, double limit, OptTensor gate_bias, OptTensor up_bias, OptTensor down_bias,
+           int64_t int8_rows) {
+    TORCH_CHECK(experts_address != 0 && top_k > 0 && top_k <= num_experts, "experts: a kernel and 1..E of them a token");
+    moes_.push_back({std::move(router), top_k, topk_softmax, renormalise, reinterpret_cast<ExpertsFn>(experts_address),
+                     std::move(gate), std::move(up), std::move(down), num_experts, act, alpha, limit,
+                     std::move(gate_bias), std::move(up_bias), std::move(down_bias), int8_rows});
+    push(MOE, dst, src, static_cast<int64_t>(moes_.size()) - 1, 0.0);
   }
 
   int64_t num_instructions() const { return static_cast<int64_t>(program_.size()); }
@@ -302,7 +333,27 @@ class DecodeProgram {
       case LINEAR: r[in.dst] = (*linears_[in.index])(r[in.src]); break;
       case ACT: r[in.dst] = activation(r[in.src], in.index); break;
       case ATTENTION: r[in.dst] = run_attention(attentions_[in.index], r[in.src], step); break;
+      case MOE: r[in.dst] = run_moe(moes_[in.index], r[in.src]); break;
     }
+  }
+
+  Tensor run_moe(const FusedMoE& m, const Tensor& h) const {
+    const Tensor logits = (*m.router)(h);
+    Tensor weights, ids;
+    if (m.topk_softmax) {
+      Tensor top;
+      std::tie(top, ids) = at::topk(logits.to(at::kFloat), m.top_k, -1);
+      weights = at::softmax(top, -1);
+    } else {
+      std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), m.top_k, -1);
+      if (m.renormalise) weights = weights / weights.sum(-1, true);
+    }
+    const Tensor x = h.contiguous();
+    Tensor out = at::empty_like(x);
+    const bool int8 = m.int8_rows > 0 && x.size(0) >= m.int8_rows;
+    m.experts(x, ids.contiguous(), weights.contiguous(), m.gate, m.up, m.down, m.num_experts, m.act, m.alpha, m.limit,
+              m.gate_bias, m.up_bias, m.down_bias, int8, out);
+    return out;
   }
 
   // layers/activation.py: silu_and_mul through its op, GELU-tanh as its native torch ops
@@ -376,6 +427,7 @@ class DecodeProgram {
   std::vector<Tensor> weights_;
   std::vector<std::shared_ptr<FusedLinear>> linears_;
   std::vector<FusedAttention> attentions_;
+  std::vector<FusedMoE> moes_;
   int64_t num_caches_ = 0;
   int64_t num_groups_ = 1;
   std::shared_ptr<FusedLinear> lm_head_;
@@ -415,6 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("linear", &DecodeProgram::linear)
       .def("act", &DecodeProgram::act, "0: SiLU-and-mul, 1: GELU-tanh-and-mul")
       .def("attention", &DecodeProgram::attention)
+      .def("moe", &DecodeProgram::moe, "a mixture of experts: the router and the experts kernel")
       .def("num_instructions", &DecodeProgram::num_instructions)
       .def("set_head", &DecodeProgram::set_head, "the lm_head (None: no logits here)")
       .def("has_head", &DecodeProgram::has_head)

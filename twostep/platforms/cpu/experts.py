@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from twostep import kernels
 from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod, _format_args
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 2}      # the kernel's activation numbers
@@ -32,6 +33,15 @@ class QuantizedExperts:
             biases.append(None if bias is None else bias.float().contiguous())
         experts.kernel_args = (*planes, experts.num_experts, ACTIVATIONS[experts.act], experts.alpha,
                                experts.limit or 0.0, *biases)
+
+    def fused(self, experts, kernel) -> tuple | None:
+        """The decode stack's arguments (kernels/csrc/decode_step.cpp's moe): the kernel's address,
+        its arguments, and from how many rows a decode step takes the int8 products (0: never), as
+        apply() decides in a decode batch. Only the platform's own build (not a test variant)."""
+        if self.kernel is not kernels.quant_linear():
+            return None
+        int8_rows = self.linear.int8_rows if self.linear.int8_mode != "off" else 0
+        return (self.kernel.experts_address(), *experts.kernel_args, int8_rows)
 
     def int8(self, x: torch.Tensor) -> bool:
         return self.linear.int8_for(x)
