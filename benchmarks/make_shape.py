@@ -2,9 +2,17 @@
 
     .venv/bin/python benchmarks/make_shape.py [--shape qwen2.5-0.5b] [--out /tmp/twostep-qwen-shape]
     .venv/bin/python benchmarks/make_shape.py --shape gemma-3-1b       # /tmp/twostep-gemma3-shape
+    .venv/bin/python benchmarks/make_shape.py --shape qwen3-30b-a3b-mini   # /tmp/twostep-qwen3moe-shape
 
-Shapes: Qwen2.5-0.5B (the default), and Gemma 3 1B (26 layers, 22 of them attending within 512
-tokens, one KV head of 256, a 262,144-token vocabulary).
+Shapes: Qwen2.5-0.5B (the default); Gemma 3 1B (26 layers, 22 of them attending within 512
+tokens, one KV head of 256, a 262,144-token vocabulary); and Qwen3-30B-A3B scaled down, a
+mixture of experts (Qwen3MoeForCausalLM) keeping its 128 experts with 8 per token (weights
+renormalised over the 8), heads of 128 with 8 query heads per KV head, q/k norms, an untied
+lm_head, the 151,936-row vocabulary and rope theta 1e6, but hidden size 1,024 (from 2,048),
+12 layers (from 48), 16 query / 2 KV heads (from 32 / 4) and experts of 256 (from 768):
+1.58B parameters in all, 0.29B per token (attention, router, 8 experts, norms and lm_head;
+the lm_head alone is 0.16B). Hidden and expert sizes are multiples of 256, so every matrix's
+rows fit the K-quants' 256-value blocks. The script prints each shape's two counts.
 
 Writes, seeded and only what is not there yet:
   OUT/config.json, model.safetensors (bf16), tokenizer.json ...   for twostep and HF transformers
@@ -72,11 +80,44 @@ def gemma3_shape_config():
         pad_token_id=special, dtype="bfloat16")
 
 
+def qwen3_moe_shape_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        moe_intermediate_size=256, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=3072,   # 3x hidden, as 6,144 is; unused
+        vocab_size=151936, tie_word_embeddings=False, rope_theta=1_000_000.0,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643,
+        dtype="bfloat16")
+
+
 # name -> (its config, the regular tokens of its vocabulary, the default folder)
 SHAPES = {
     "qwen2.5-0.5b": (qwen_shape_config, 151643, "/tmp/twostep-qwen-shape"),
     "gemma-3-1b": (gemma3_shape_config, 262144 - len(SPECIAL_TOKENS), "/tmp/twostep-gemma3-shape"),
+    "qwen3-30b-a3b-mini": (qwen3_moe_shape_config, 151643, "/tmp/twostep-qwen3moe-shape"),
 }
+
+
+def parameter_counts(shape: str) -> tuple[int, int]:
+    """(all parameters, those one token uses): the latter leaves out the input embedding (a token
+    reads one row; a tied embedding still counts, as the lm_head) and the experts not routed to."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = SHAPES[shape][0]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())      # a tied matrix once
+    active = total
+    if not config.tie_word_embeddings:
+        active -= model.get_input_embeddings().weight.numel()
+    experts = getattr(config, "num_experts", None)
+    if experts:
+        expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        active -= expert_params * (experts - config.num_experts_per_tok) // experts
+    return total, active
 
 
 def synthetic_tokenizer(num_regular: int):
@@ -144,6 +185,8 @@ def main() -> None:
     ap.add_argument("--no-gguf", action="store_true", help="only the HF folder")
     args = ap.parse_args()
     out = Path(args.out or SHAPES[args.shape][2])
+    total, active = parameter_counts(args.shape)
+    print(f"{args.shape}: {total:,} parameters, {active:,} per token")
     if all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         print(f"{out}: HF folder already there")
     else:

@@ -57,7 +57,7 @@ using PlanesRows = void (*)(const void* planes, const Tensor& ids, Tensor& out);
 using ExpertsFn = void (*)(const Tensor& x, const Tensor& ids, const Tensor& weights, const Tensor& gate,
                            const Tensor& up, const Tensor& down, int64_t num_experts, int64_t act, double alpha,
                            double limit, const OptTensor& gate_bias, const OptTensor& up_bias,
-                           const OptTensor& down_bias, bool int8, Tensor& out);
+                           const OptTensor& down_bias, bool int8, bool gemm, Tensor& out);
 
 struct QuantPart {
   Tensor qs, scales;
@@ -352,7 +352,7 @@ class DecodeProgram {
     Tensor out = at::empty_like(x);
     const bool int8 = m.int8_rows > 0 && x.size(0) >= m.int8_rows;
     m.experts(x, ids.contiguous(), weights.contiguous(), m.gate, m.up, m.down, m.num_experts, m.act, m.alpha, m.limit,
-              m.gate_bias, m.up_bias, m.down_bias, int8, out);
+              m.gate_bias, m.up_bias, m.down_bias, int8, false, out);
     return out;
   }
 

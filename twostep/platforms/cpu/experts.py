@@ -8,6 +8,7 @@ import torch
 
 from twostep import kernels
 from twostep.platforms.cpu.quant_linear import QuantizedLinearMethod, _format_args
+from twostep.platforms.step_kind import in_decode_batch
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 2}      # the kernel's activation numbers
 
@@ -49,5 +50,7 @@ class QuantizedExperts:
     def apply(self, experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.kernel.experts(x, ids.contiguous(), weights.contiguous(), *experts.kernel_args, self.int8(x), out)
+        # a prompt's rows may take brgemm (oneDNN's: not while a user turns oneDNN off)
+        gemm = not in_decode_batch() and torch.backends.mkldnn.enabled
+        self.kernel.experts(x, ids.contiguous(), weights.contiguous(), *experts.kernel_args, self.int8(x), gemm, out)
         return out

@@ -8,10 +8,15 @@
 // each thread runs whole experts, the products inside it serially (at::parallel_for runs inline in a
 // parallel region): one parallel region a layer, and both cores stream their own experts' weights.
 // Fewer experts: one after another, each product split over the threads as the dense products are.
+// With `gemm` (a prompt's rows, never a decode batch's: a decode row's sums stay those of the passes
+// whatever its batch), an expert with more float32 rows than the passes' crossover with the dense
+// layers' gemm_f32 (quant_linear.py's F32_GEMM_GEMV_MAX_ROWS) multiplies them through oneDNN's brgemm
+// against its panels, as a dense prompt's rows are.
 #include "ops.h"
 
 #include "codes.h"
 #include "layout.h"
+#include "products.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,9 +70,13 @@ Planes rows_from(const Planes& w, int64_t first_row) {
 }
 
 // out [m, rows] (float32) = x [m, k] . expert e's rows^T + its bias
-void expert_product(const ExpertWeight& w, int64_t e, const at::Tensor& x, at::Tensor& out) {
+void expert_product(const ExpertWeight& w, int64_t e, const at::Tensor& x, at::Tensor& out, bool gemm) {
   const Planes p = rows_from(w.p, e * w.rows);
-  if (w.int8) {
+  const int64_t passes_up_to = p.bits == 8 ? 16 : 8;
+  if (gemm && !w.int8 && p.panels && x.scalar_type() == at::kFloat && x.size(0) > passes_up_to &&
+      brgemm_f32_runs()) {
+    panels_gemm_f32(p, w.rows, x.size(0), x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0));
+  } else if (w.int8) {
     gemm_int8_planes(p, w.rows, x, out);
   } else {
     const int64_t step = p.panels ? panel_call_rows() : 8, m = x.size(0);
@@ -103,7 +112,7 @@ void activate(at::Tensor& gate, const at::Tensor& up, int64_t act, float alpha, 
 void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
              const at::Tensor& up, const at::Tensor& down, int64_t num_experts, int64_t act, double alpha,
              double limit, const OptionalTensor& gate_bias, const OptionalTensor& up_bias,
-             const OptionalTensor& down_bias, bool int8, at::Tensor& out) {
+             const OptionalTensor& down_bias, bool int8, bool gemm, at::Tensor& out) {
   RECORD_FUNCTION("twostep::quant_experts", std::vector<c10::IValue>({x}));
   TORCH_CHECK(act == kSilu || act == kSwigluOai, "experts: activation 0 (SiLU) or 2 (clamped SwiGLU)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
@@ -141,11 +150,11 @@ void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weigh
     const int64_t e = active[a], first = start[e], m = start[e + 1] - first;
     const at::Tensor xe = xs.narrow(0, first, m);
     at::Tensor h = at::empty({m, g.rows}, at::kFloat), hu = at::empty({m, g.rows}, at::kFloat);
-    expert_product(g, e, xe, h);
-    expert_product(u, e, xe, hu);
+    expert_product(g, e, xe, h, gemm);
+    expert_product(u, e, xe, hu, gemm);
     activate(h, hu, act, static_cast<float>(alpha), static_cast<float>(limit));
     at::Tensor ye = ys.narrow(0, first, m);
-    expert_product(d, e, h, ye);
+    expert_product(d, e, h, ye, gemm);
   };
   const int64_t n_active = static_cast<int64_t>(active.size());
   if (n_active >= 2 * at::get_num_threads()) {

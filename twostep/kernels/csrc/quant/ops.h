@@ -45,11 +45,12 @@ int64_t planes_rows_address();
 // A mixture-of-experts layer's experts over a step's rows (experts.cpp): out [T, H] = for each row,
 // sum over j of weights[t, j] * expert ids[t, j]'s MLP of x[t]; gate, up [E * I, H] and down
 // [E * H, I] as checked_planes gives them, float32 biases [E * rows] or none; act 0: SiLU, 2:
-// gpt-oss's clamped SwiGLU (alpha, limit); int8: the int8 product for the widths it takes
+// gpt-oss's clamped SwiGLU (alpha, limit); int8: the int8 product for the widths it takes; gemm:
+// oneDNN's brgemm for an expert's many float32 rows (a prompt's; never a decode batch's)
 void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
              const at::Tensor& up, const at::Tensor& down, int64_t num_experts, int64_t act, double alpha,
              double limit, const OptionalTensor& gate_bias, const OptionalTensor& up_bias,
-             const OptionalTensor& down_bias, bool int8, at::Tensor& out);
+             const OptionalTensor& down_bias, bool int8, bool gemm, at::Tensor& out);
 int64_t experts_address();
 
 // The products behind the ops, after their checks of the planes (ops.cpp): x [M, p.k] -> out [M, n]
