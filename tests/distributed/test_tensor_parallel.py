@@ -17,8 +17,9 @@ from twostep.core.execution.tp_group import WorkerError
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
-# mistral: 1 KV head for 2 ranks (replicated); qwen2: q/k/v bias and a tied head; qwen3: q/k norm
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# mistral: 1 KV head for 2 ranks (replicated); qwen2: q/k/v bias and a tied head; qwen3: q/k norm;
+# the MoE ones: experts split along their intermediate size (gpt-oss: sinks per head, expert biases)
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe", "gpt-oss"]
 
 
 def run(engine, prompts, params=GREEDY):
@@ -203,6 +204,25 @@ def test_quantized_weights_are_sharded_too(tiny_model_dir, method):
         o_proj = two.model.model.layers[0].self_attn.o_proj
         whole = two.model_config.num_heads * two.model_config.head_dim
         assert isinstance(o_proj.quantized, QuantizedWeight) and o_proj.quantized.k == whole // 2
+        got = run(two, prompts, params)
+    finally:
+        two.shutdown()
+    assert_same(got, want, 1e-3)
+
+
+def test_quantized_experts_are_sharded_too(tmp_path):
+    """Each rank keeps every expert's packed rows of gate/up and blocks of columns of down (64
+    intermediate features: 32 a rank, whole blocks) and answers as one process does."""
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3-moe", moe_intermediate_size=64)
+    prompts = random_prompts([9, 30], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    want = run(engine_for(folder, quantization="int8"), prompts, params)
+    two = engine_for(folder, quantization="int8", tensor_parallel_size=2)
+    try:
+        experts = two.model.model.layers[0].mlp.experts
+        assert experts.gate_proj.quantized.n == 8 * 32 and experts.down_proj.quantized.k == 32
         got = run(two, prompts, params)
     finally:
         two.shutdown()
