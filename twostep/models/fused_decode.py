@@ -5,7 +5,8 @@ Why: at batch 1 a step is ~10 kernel calls a layer, and the Python around each (
 views, wrappers, the attention plan's indirection) cost as much as a third of a small model's step.
 The stack is a program the model's own blocks write at load: each block's emit() sits beside its
 forward() and hands the program the same ops, in the same order, with the same weights (norms,
-linears, the activation, the attention with its per-layer options, residual adds and scales), so
+linears, the activation, the attention with its per-layer options, a mixture of experts' router
+and experts kernel, residual adds and scales), so
 no family has a layer sequence written twice and a new block is written once, in Python. The
 program runs the same registered ops with the same arguments, so its results are bit-identical to
 the layers' (tests/models/test_fused_decode.py checks it for every family, float32, bf16 and

@@ -1,8 +1,9 @@
 // A decode step's decoder layers in one call (models/fused_decode.py): a program of instructions
 // over three registers that the model's blocks write at load, each block's emit() beside its
 // forward() (layers/decoder_layer.py, layers/attention.py, layers/mlp.py, models/causal_lm.py):
-// norms (with the residual add), residual adds and scales, linears, the gated activation, and the
-// attention with its per-layer options. From the step's token ids and positions the program takes
+// norms (with the residual add), residual adds and scales, linears, the gated activation, the
+// attention with its per-layer options, and a mixture of experts (the router, then the quantized
+// library's experts kernel through its address). From the step's token ids and positions the program takes
 // the embeddings and each rotary table's rows, runs the instructions, and where the step asks for
 // every row's logits, the lm_head. Every op is the one the Python layers call (torch.library ops
 // looked up once in the dispatcher, or the same ATen ops), with the same arguments in the same
