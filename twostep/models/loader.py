@@ -144,7 +144,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tenso
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         for key, t in load_file(folder / name).items():
-            tensors[key] = t.to(dtype)
+            tensors[key] = t.to(dtype) if t.is_floating_point() else t     # packed codes stay bytes
     return tensors
 
 

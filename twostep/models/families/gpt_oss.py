@@ -2,8 +2,9 @@
 q/k/v/o biases, a learned sink logit per head, YaRN; a mixture of experts in every layer routed by
 the top k of biased router logits with a softmax over those k, each expert a clamped SwiGLU
 ((up + 1) * gate * sigmoid(1.702 gate), both clamped at 7) with biases. Its checkpoint stores the
-experts as [E, in, out] with gate and up columns interleaved; they load as the MoE block's
-[E * out, in] rows."""
+experts as [E, in, out] with gate and up columns interleaved, or (the released checkpoints) in
+MXFP4 as `*_blocks` [E, out, in / 32, 16] and `*_scales` with gate and up rows interleaved; they
+load as the MoE block's [E * out, in] rows, MXFP4 kept packed (quantization/gguf_blocks.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,8 @@ from twostep.models.causal_lm import CausalLM
 from twostep.models.config import ModelConfig, base_config, sliding_window, window_layers
 from twostep.models.families.qwen3_moe import moe_fields
 from twostep.models.family import Family, Tensors
+from twostep.quantization.gguf_blocks import pack_mxfp4
+from twostep.quantization.packed import QuantizedWeight
 
 
 class GptOssForCausalLM(CausalLM):
@@ -40,6 +43,15 @@ def from_hf(tensors: Tensors, config: ModelConfig) -> Tensors:
         elif name.endswith("mlp.experts.gate_up_proj_bias"):    # [E, 2I]
             out[name.replace("gate_up_proj_bias", "gate_proj.bias")] = t[:, 0::2].reshape(-1)
             out[name.replace("gate_up_proj_bias", "up_proj.bias")] = t[:, 1::2].reshape(-1)
+        elif name.endswith("mlp.experts.gate_up_proj_blocks"):  # MXFP4, rows gate, up, gate, ...
+            weight = _mxfp4(t, tensors[name.replace("_blocks", "_scales")])
+            rows = torch.arange(weight.n).view(t.shape[0], t.shape[1])
+            out[name.replace("gate_up_proj_blocks", "gate_proj.weight")] = weight.rows(rows[:, 0::2].reshape(-1))
+            out[name.replace("gate_up_proj_blocks", "up_proj.weight")] = weight.rows(rows[:, 1::2].reshape(-1))
+        elif name.endswith("mlp.experts.down_proj_blocks"):
+            out[name.replace("down_proj_blocks", "down_proj.weight")] = _mxfp4(t, tensors[name.replace("_blocks", "_scales")])
+        elif name.endswith(("mlp.experts.gate_up_proj_scales", "mlp.experts.down_proj_scales")):
+            continue                                            # read with their blocks
         elif name.endswith("mlp.experts.down_proj"):            # [E, I, H]
             out[name + ".weight"] = _rows(t)
         elif name.endswith("mlp.experts.down_proj_bias"):
@@ -47,6 +59,13 @@ def from_hf(tensors: Tensors, config: ModelConfig) -> Tensors:
         else:
             out[name] = t
     return out
+
+
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """[E, n, k / 32, 16] blocks and [E, n, k / 32] scales -> the experts' [E * n, k], packed."""
+    e, n, groups, _ = blocks.shape
+    return QuantizedWeight((pack_mxfp4(blocks.reshape(e * n, groups, 16).numpy(),
+                                       scales.reshape(e * n, groups).numpy()),))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
