@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from twostep.config import EngineConfig
 from twostep.engine.llm_engine import LLMEngine
-from twostep.outputs import RequestOutput
+from twostep.entrypoints.harmony import is_harmony_tokenizer, parse_chat_output, turn_end_token_ids
+from twostep.outputs import CompletionOutput, RequestOutput
 from twostep.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -86,7 +87,12 @@ class LLM:
         (the model's, or chat_template: a template's text or name). tools: OpenAI-style tool
         definitions the template states to the model (a template without a tool section gets them
         in the system message, see tokenizer/tool_prompt.py). continue_final_message: the model
-        continues the last (assistant) message; pass add_generation_prompt=False with it."""
+        continues the last (assistant) message; pass add_generation_prompt=False with it.
+
+        A model that speaks harmony (gpt-oss, see entrypoints/harmony.py) answers in channels: each
+        output's text is then its answer (the final channel; "" if generation ended before it) and
+        each output is a ChatCompletionOutput whose ``reasoning`` holds its chain of thought (the
+        analysis channel); token_ids are all the tokens generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         extra = dict(chat_template_kwargs or {})
         if tools:
@@ -98,7 +104,17 @@ class LLM:
         prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt,
                                                                                 **extra)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if not is_harmony_tokenizer(self.tokenizer):
+            return self.generate(prompts, sampling_params, use_tqdm)
+        params = _as_params_list(sampling_params or self.engine.default_sampling_params(), len(prompts))
+        stops = turn_end_token_ids(self.tokenizer)
+        params = [dataclasses.replace(p, skip_special_tokens=False,   # channels are special tokens
+                                      stop_token_ids=list(dict.fromkeys(p.stop_token_ids + stops)))
+                  for p in params]
+        outputs = self.generate(prompts, params, use_tqdm)
+        for out in outputs:
+            out.outputs = [ChatCompletionOutput.of_harmony(c) for c in out.outputs]
+        return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                ) -> Iterator[RequestOutput]:
@@ -159,6 +175,20 @@ class LLM:
                 self._queues.pop(rid, None)
             self.engine.abort_request([i for i in ids if i not in finished])
         return [finished[i] for i in ids]
+
+
+@dataclasses.dataclass(slots=True)
+class ChatCompletionOutput(CompletionOutput):
+    """A chat output of a harmony model: text is the answer, reasoning the chain of thought (None
+    if there was none)."""
+
+    reasoning: str | None = None
+
+    @classmethod
+    def of_harmony(cls, c: CompletionOutput) -> "ChatCompletionOutput":
+        answer, reasoning = parse_chat_output(c.text)
+        fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+        return cls(**{**fields, "text": answer, "delta_text": answer}, reasoning=reasoning)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -1,10 +1,16 @@
 """POST /v1/chat/completions: messages through the chat template, tool calls planned and parsed,
 structured outputs, logprobs, streamed or not.
+
+A model that speaks harmony (gpt-oss; the rule is in entrypoints/harmony.py) generates with its
+special tokens kept in the text and stops at <|return|> and <|call|>; the answer (its final channel)
+is the content and its chain of thought (the analysis channel) goes to reasoning_content and
+reasoning, never to content. Tool calls are then read out of the answer.
 """
 from __future__ import annotations
 
 from fastapi import Request
 
+from twostep.entrypoints.harmony import HarmonyChat, is_harmony_tokenizer, parse_chat_output, turn_end_token_ids
 from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.errors import APIError
 from twostep.entrypoints.openai.fan_out import Batch, collect, with_transfer
@@ -52,17 +58,19 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                      plan.constraint)
     if plan.parser is not None and plan.parser.needs_special_tokens:
         params.skip_special_tokens = False       # the call markup is a special token
+    harmony = is_harmony_tokenizer(state.tokenizer)
+    if harmony:
+        params.skip_special_tokens = False       # the channels are told apart by special tokens
+        params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + turn_end_token_ids(state.tokenizer)))
     await compile_constraint(state, params)
     batch = Batch(state, "chatcmpl", body.request_id)
     await batch.add([ids], params, body.priority)
     if body.stream:
-        return sse_response(_chat_stream(state, body, batch, top, plan))
+        return sse_response(_chat_stream(state, body, batch, top, plan, harmony))
     choices, cached, prompt_ids = await collect(batch, body.n, raw)
     tok = state.tokenizer
     echo = _echoed(body)
-    for c in choices:
-        c.text = echo + c.text
-    data = [{"index": c.index, **_chat_message(c, plan),
+    data = [{"index": c.index, **_chat_message(c, plan, echo, harmony),
              "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok),
                                                body.return_tokens_as_token_ids)
              if body.logprobs else None, "stop_reason": c.stop_reason} for c in choices]
@@ -83,19 +91,31 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return content if isinstance(content, str) else "".join(str(p.get("text", "")) for p in content or [])
 
 
-def _chat_message(c: Choice, plan: ToolPlan) -> dict:
-    """The assistant message and finish_reason of one choice, with the calls read out of its text."""
-    message = {"role": "assistant", "content": c.text}
+def _chat_message(c: Choice, plan: ToolPlan, echo: str, harmony: bool) -> dict:
+    """The assistant message and finish_reason of one choice, with the calls read out of its text
+    (of a harmony model: out of its answer, the final channel)."""
+    text, extra = c.text, {}
+    if harmony:
+        text, reasoning = parse_chat_output(c.text)
+        extra = _reasoning(reasoning)
+    text = echo + text
+    message = {"role": "assistant", "content": text, **extra}
     if plan.parser is None:
         return {"message": message, "finish_reason": c.finish_reason}
-    content, calls = extract_tool_calls(plan.parser, c.text)
+    content, calls = extract_tool_calls(plan.parser, text)
     calls = calls[:plan.max_calls] if plan.max_calls is not None else calls
     if not calls:
         return {"message": message, "finish_reason": c.finish_reason}
-    message = {"role": "assistant", "content": content,
+    message = {"role": "assistant", "content": content, **extra,
                "tool_calls": [{"id": t.id, "type": "function",
                                "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
     return {"message": message, "finish_reason": _tool_finish(c.finish_reason, plan)}
+
+
+def _reasoning(text: str | None) -> dict:
+    """A harmony model's chain of thought under both names clients read: vLLM's older
+    reasoning_content and its newer reasoning."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _tool_finish(finish_reason: str | None, plan: ToolPlan) -> str | None:
@@ -104,7 +124,7 @@ def _tool_finish(finish_reason: str | None, plan: ToolPlan) -> str | None:
 
 
 async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: Batch, top: int,
-                       plan: ToolPlan):
+                       plan: ToolPlan, harmony: bool):
     tok = state.tokenizer
     head = {"id": batch.id, "object": "chat.completion.chunk", "created": serving.now(),
             "model": state.model_name}
@@ -115,6 +135,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
     sent: dict[int, int] = {}
     token_texts: dict[int, serving.TokenTexts] = {}
     streamers: dict[int, ToolCallStreamer] = {}
+    harmonies: dict[int, HarmonyChat] = {}
     last: dict[int, Choice] = {}
     cached, prompt_ids = [0], [[]]
     async for _, out in batch.outputs():
@@ -135,15 +156,21 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
             finish = c.finish_reason
             if finish:
                 done.add(c.index)
+            text, reasoning = c.delta_text, ""
+            if harmony:     # only the answer is content; the chain of thought is reasoning
+                split = harmonies.setdefault(c.index, HarmonyChat()).feed(c.delta_text, final=bool(finish))
+                text, reasoning = split.content, split.reasoning
             if plan.parser is None:
-                delta = {"content": c.delta_text} if c.delta_text or not finish else {}
+                delta = {"content": text} if text or not (finish or harmony) else {}
             else:
                 streamer = streamers.setdefault(c.index, ToolCallStreamer(plan.parser, plan.max_calls))
-                delta = _tool_delta(streamer.feed(c.delta_text, final=bool(finish)))
+                delta = _tool_delta(streamer.feed(text, final=bool(finish)))
                 if finish and streamer.has_calls:
                     finish = _tool_finish(finish, plan)
-                if not delta and not finish and lp is None:
-                    continue
+            if reasoning:
+                delta = {**_reasoning(reasoning), **delta}
+            if (plan.parser is not None or harmony) and not delta and not finish and lp is None:
+                continue
             yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                         "finish_reason": finish, "stop_reason": c.stop_reason}]}
     if body.stream_options and body.stream_options.include_usage:
