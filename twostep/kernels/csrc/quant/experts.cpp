@@ -69,12 +69,70 @@ Planes rows_from(const Planes& w, int64_t first_row) {
   return p;
 }
 
-// out [m, rows] (float32) = x [m, k] . expert e's rows^T + its bias
-void expert_product(const ExpertWeight& w, int64_t e, const at::Tensor& x, at::Tensor& out, bool gemm) {
+// Rows quantized once for every product that reads them alike: gate and up share their input, and
+// at batch 1 every chosen expert does (the products quantize their input themselves otherwise)
+struct RowCodes {
+  bool int8;
+  Int8Activations i8;
+  QuantizedActivations i16;
+};
+
+bool quads(const ExpertWeight& w) { return w.p.panels && w.p.bits == 8 && kQuadPasses; }
+
+// whether a and b read their input quantized the same way (so one quantization serves both)
+bool same_codes(const ExpertWeight& a, const ExpertWeight& b) {
+  return a.int8 == b.int8 && a.p.group == b.p.group && (a.p.mins != nullptr) == (b.p.mins != nullptr) &&
+         quads(a) == quads(b);
+}
+
+// whether m rows of x take oneDNN's brgemm against w (a prompt's many float32 rows; see the top)
+bool takes_brgemm(const ExpertWeight& w, int64_t m, const at::Tensor& x, bool gemm) {
+  return gemm && !w.int8 && w.p.panels && x.scalar_type() == at::kFloat && m > (w.p.bits == 8 ? 16 : 8) &&
+         brgemm_f32_runs();
+}
+
+// whether m rows of x take one call of w's integer products (the int8 product any; the int16
+// passes their rows), so that codes quantized once serve the call
+bool one_call(const ExpertWeight& w, int64_t m, const at::Tensor& x, bool gemm) {
+  return !takes_brgemm(w, m, x, gemm) && (w.int8 || m <= (w.p.panels ? panel_call_rows() : 8));
+}
+
+template <typename T>
+void quantize_rows(const ExpertWeight& w, const at::Tensor& x, RowCodes& c) {
+  const T* xs = x.data_ptr<T>();
+  if (w.int8) {
+    c.i8 = quantize_int8(xs, x.size(0), w.p.k, x.stride(0), w.p.group);
+  } else {
+    c.i16 = quantize_int16(xs, x.size(0), w.p.k, x.stride(0), w.p.group, w.p.mins != nullptr, quads(w));
+  }
+}
+
+// x's rows quantized as w's products read them (the engine's float types: the quantizers' builds)
+RowCodes row_codes(const ExpertWeight& w, const at::Tensor& x) {
+  RowCodes c{w.int8, {}, {}};
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize_rows<float>(w, x, c); break;
+    case at::kBFloat16: quantize_rows<c10::BFloat16>(w, x, c); break;
+    case at::kHalf: quantize_rows<c10::Half>(w, x, c); break;
+    default: TORCH_CHECK(false, "experts: float32, bf16 or fp16 rows");
+  }
+  return c;
+}
+
+// out [m, rows] (float32) = x [m, k] . expert e's rows^T + its bias; codes: x already quantized for w
+void expert_product(const ExpertWeight& w, int64_t e, const at::Tensor& x, at::Tensor& out, bool gemm,
+                    const RowCodes* codes = nullptr) {
   const Planes p = rows_from(w.p, e * w.rows);
-  const int64_t passes_up_to = p.bits == 8 ? 16 : 8;
-  if (gemm && !w.int8 && p.panels && x.scalar_type() == at::kFloat && x.size(0) > passes_up_to &&
-      brgemm_f32_runs()) {
+  const int64_t m = x.size(0);
+  float* o = out.data_ptr<float>();
+  if (codes != nullptr) {
+    if (codes->int8) {
+      p.panels && m < kSmallRows ? gemv_int8_panels(p, w.rows, m, codes->i8, o, out.stride(0))
+                                 : gemm_int8_tiles(p, w.rows, m, codes->i8, o, out.stride(0));
+    } else {
+      p.panels ? panels_gemv(p, w.rows, m, codes->i16, o, out.stride(0)) : rows_gemv(p, w.rows, m, codes->i16, o, out.stride(0));
+    }
+  } else if (takes_brgemm(w, m, x, gemm)) {
     panels_gemm_f32(p, w.rows, x.size(0), x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0));
   } else if (w.int8) {
     gemm_int8_planes(p, w.rows, x, out);
@@ -87,7 +145,6 @@ void expert_product(const ExpertWeight& w, int64_t e, const at::Tensor& x, at::T
   }
   if (w.bias == nullptr) return;
   const float* b = w.bias + e * w.rows;
-  float* o = out.data_ptr<float>();
   for (int64_t i = 0; i < out.size(0); ++i)
     for (int64_t j = 0; j < w.rows; ++j) o[i * w.rows + j] += b[j];
 }
@@ -146,12 +203,25 @@ void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weigh
   for (int64_t i = 0; i < pairs; ++i) rows.data_ptr<int64_t>()[i] = order[i] / k;
   const at::Tensor xs = x.index_select(0, rows);                 // each expert's rows, together
   at::Tensor ys = at::empty({pairs, hidden}, x.options().dtype(at::kFloat));
+  // gate and up read their rows quantized alike where they can take them in one call each (not
+  // brgemm's float rows); one row (batch 1): every expert's, quantized once for the layer
+  const bool shared = same_codes(g, u);
+  const bool one_row = t == 1 && shared && one_call(g, 1, x, gemm);
+  RowCodes layer_codes;
+  if (one_row) layer_codes = row_codes(g, x);
   auto run = [&](int64_t a) {
     const int64_t e = active[a], first = start[e], m = start[e + 1] - first;
-    const at::Tensor xe = xs.narrow(0, first, m);
+    const at::Tensor xe = one_row ? x : xs.narrow(0, first, m);
     at::Tensor h = at::empty({m, g.rows}, at::kFloat), hu = at::empty({m, g.rows}, at::kFloat);
-    expert_product(g, e, xe, h, gemm);
-    expert_product(u, e, xe, hu, gemm);
+    if (shared && one_call(g, m, xe, gemm)) {
+      const RowCodes own = one_row ? RowCodes{} : row_codes(g, xe);
+      const RowCodes& codes = one_row ? layer_codes : own;
+      expert_product(g, e, xe, h, gemm, &codes);
+      expert_product(u, e, xe, hu, gemm, &codes);
+    } else {
+      expert_product(g, e, xe, h, gemm);
+      expert_product(u, e, xe, hu, gemm);
+    }
     activate(h, hu, act, static_cast<float>(alpha), static_cast<float>(limit));
     at::Tensor ye = ys.narrow(0, first, m);
     expert_product(d, e, h, ye, gemm);
