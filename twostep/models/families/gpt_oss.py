@@ -15,7 +15,6 @@ from twostep.models.causal_lm import CausalLM
 from twostep.models.config import ModelConfig, base_config, sliding_window, window_layers
 from twostep.models.families.qwen3_moe import moe_fields
 from twostep.models.family import Family, Tensors
-from twostep.quantization.gguf_blocks import pack_mxfp4
 from twostep.quantization.packed import QuantizedWeight
 
 
@@ -63,6 +62,10 @@ def from_hf(tensors: Tensors, config: ModelConfig) -> Tensors:
 
 def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
     """[E, n, k / 32, 16] blocks and [E, n, k / 32] scales -> the experts' [E * n, k], packed."""
+    # here, not at the top: gguf_blocks needs the gguf package, and the set-up builds the kernels
+    # through the CLI (which imports every family) while pip is still installing it
+    from twostep.quantization.gguf_blocks import pack_mxfp4
+
     e, n, groups, _ = blocks.shape
     return QuantizedWeight((pack_mxfp4(blocks.reshape(e * n, groups, 16).numpy(),
                                        scales.reshape(e * n, groups).numpy()),))
