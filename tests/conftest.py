@@ -92,6 +92,9 @@ ARCH_CONFIGS = {
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                                       intermediate_size=32)),
+    # q/k norms over all heads, experts without renormalising their weights
+    "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                  norm_topk_prob=False)),
     # sinks, biases everywhere, alternating window (8) and full layers, YaRN, clamped SwiGLU experts
     "gpt-oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                                      intermediate_size=32, sliding_window=8,

@@ -146,7 +146,7 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss", "olmoe"])
 def test_the_decode_stack_runs_quantized_experts_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
     """The router and the experts kernel (int8 activations where they apply) as one instruction:
     the same tokens, bit for bit, as the layers' SparseMoE."""

@@ -57,8 +57,9 @@ CASES = {
     "qwen3-moe": ("qwen3-moe", {"mlp_only_layers": []}, _INT16),
     "mixtral": ("mixtral", {}, _INT16),          # a llama file with experts
     "gpt-oss": ("gpt-oss", {}, _INT16),          # sinks, expert biases, YaRN without truncation
+    "olmoe": ("olmoe", {}, _INT16),              # q/k norms over all heads, weights not renormalised
 }
-MOE = ("qwen3-moe", "mixtral", "gpt-oss")
+MOE = ("qwen3-moe", "mixtral", "gpt-oss", "olmoe")
 PROMPT_LENGTHS = [5, 17, 40]
 NEW_TOKENS = 16
 

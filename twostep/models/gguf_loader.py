@@ -9,9 +9,12 @@ dequantised to float32 and cast to `dtype`), a `tokenizers.Tokenizer` built from
 stored in the file, and tokenizer / generation settings.
 
 Architectures (`general.architecture`, as llama.cpp's convert_hf_to_gguf.py writes them): llama
-(Mistral and SmolLM2 files are llama too), qwen2, qwen3, smollm3, granite, olmo2, phi3, gemma2,
-gemma3 and glm4, one row each of `_ARCHITECTURES`: the tensors a layer has, how the file's tensors
-differ from the HF checkpoint's, and the metadata keys that become HF config keys. What llama.cpp's
+(Mistral and SmolLM2 files are llama too; with experts, Mixtral), qwen2, qwen3, qwen3moe, smollm3,
+granite, olmo2, olmoe, phi3, gemma2, gemma3, glm4 and gpt-oss, one row each of `_ARCHITECTURES`: the
+tensors a layer has, how the file's tensors differ from the HF checkpoint's, and the metadata keys
+that become HF config keys. Experts are stacked tensors [E, n, k] per projection (`ffn_*_exps`, or a
+merged `ffn_gate_up_exps` cut per expert), loaded as the MoE block's [E * n, k] (layers/moe.py),
+packed where their type is; a layer with a router (`ffn_gate_inp`) routes to them. What llama.cpp's
 converter does to them that matters here:
 
 * Q/K rows. llama.cpp rotates adjacent pairs of a head's dims (rope type NORM) for llama, smollm3,
@@ -165,6 +168,7 @@ class _Architecture:
     # (meta, config so far) -> config entries llama.cpp derives rather than reads; ValueError: refused
     derive: Callable[[Callable[..., Any], dict], dict] | None = None
     moe: tuple[str, ...] = ()           # a MoE layer's tensors besides the router's and experts' weights
+    renormalise: bool = True            # llama.cpp renormalises the chosen experts' weights (not OLMoE's)
 
 
 def _sliding_layers(pattern: int | list, num_layers: int) -> list[bool]:
@@ -229,6 +233,7 @@ _ARCHITECTURES = {
     "qwen2": _Architecture(_PRE_NORM + _QKV_BIAS),
     "qwen3": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
     "qwen3moe": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
+    "olmoe": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS, renormalise=False),
     "smollm3": _Architecture(_PRE_NORM, **_PERMUTED, derive=_smollm3),
     "granite": _Architecture(_PRE_NORM, **_PERMUTED, metadata={
         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -420,8 +425,8 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
 def _experts(reader: GGUFFile, meta: Callable[..., Any], config: dict, arch: str, path: str) -> dict:
     """A mixture of experts' settings (layers/moe.py), checked against its tensors: each layer with a
     router (ffn_gate_inp) routes to experts, the others are dense. llama.cpp renormalises the chosen
-    experts' weights of every such file (Qwen3-MoE's norm_topk_prob, Mixtral's way); a llama file
-    with experts is Mixtral."""
+    experts' weights as the architecture does (Qwen3-MoE's norm_topk_prob, Mixtral's way; not
+    OLMoE's), whatever the checkpoint said; a llama file with experts is Mixtral."""
     count, used = meta("expert_count"), meta("expert_used_count", 0)
     if not 0 < used <= count:
         raise ValueError(f"{path}: {arch}.expert_used_count is {used}; a token takes 1 to expert_count "
@@ -431,7 +436,7 @@ def _experts(reader: GGUFFile, meta: Callable[..., Any], config: dict, arch: str
         if experts != count:
             raise ValueError(f"{path}: tensor {t.name!r} holds {experts} experts; {arch}.expert_count says {count}")
     routed = {int(m[1]) for t in reader.tensors if (m := _ROUTER.fullmatch(t.name))}
-    moe = {"num_experts": count, "num_experts_per_tok": used, "norm_topk_prob": True,
+    moe = {"num_experts": count, "num_experts_per_tok": used, "norm_topk_prob": _ARCHITECTURES[arch].renormalise,
            "moe_intermediate_size": meta("expert_feed_forward_length", config["intermediate_size"]),
            "mlp_only_layers": sorted(set(range(config["num_hidden_layers"])) - routed)}
     if arch == "llama":
