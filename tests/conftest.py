@@ -92,6 +92,10 @@ ARCH_CONFIGS = {
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                                       intermediate_size=32)),
+    # a shared expert beside the routed ones, the second layer dense
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         mlp_only_layers=[1])),
     # q/k norms over all heads, experts without renormalising their weights
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                   norm_topk_prob=False)),

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
 # mistral: 1 KV head for 2 ranks (replicated); qwen2: q/k/v bias and a tied head; qwen3: q/k norm;
 # the MoE ones: experts split along their intermediate size (gpt-oss: sinks per head, expert biases)
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe", "gpt-oss"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "qwen2-moe"]
 
 
 def run(engine, prompts, params=GREEDY):

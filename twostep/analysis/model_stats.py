@@ -146,6 +146,9 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size              # gated: gate, up, down
     expert = _expert_params(cfg) if moe else 0
     router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.router_bias else 0)
+    # Qwen2-MoE's shared expert (every token runs it) and its gate count with the router
+    if cfg.shared_expert_intermediate_size:
+        router += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size + cfg.hidden_size
     experts, routers = len(moe) * cfg.num_experts * expert, len(moe) * router
     layers = cfg.num_layers * attention + (cfg.num_layers - len(moe)) * dense_mlp + routers + experts
     stored_head = 0 if cfg.tie_word_embeddings else embedding

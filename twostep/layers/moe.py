@@ -23,6 +23,7 @@ from torch import nn
 
 from twostep.distributed.parallel import TensorParallel
 from twostep.layers.linear import Linear
+from twostep.layers.mlp import GatedMLP
 
 
 class ExpertLinear(Linear):
@@ -128,10 +129,17 @@ class SparseMoE(nn.Module):
         self.top_k, self.router, self.renormalise = cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         self.experts = Experts(cfg)
+        # Qwen2-MoE: an expert every token takes, its output times sigmoid(shared_expert_gate(x))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, tp) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.router, self.renormalise)
-        return self.tp.all_reduce(self.experts(x, weights, ids))
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def emit(self, p, dst: int, src: int) -> None:
         """forward as one instruction of the decode program (models/fused_decode.py)."""

@@ -51,6 +51,7 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0      # each expert's
+    shared_expert_intermediate_size: int = 0    # Qwen2-MoE: an expert every token takes, gated (0: none)
     moe_layers: tuple[int, ...] | None = None   # which layers route to experts (None: all, where experts)
     # "softmax_topk": softmax over every expert, the top k kept (renormalised where norm_topk_prob:
     # Qwen3-MoE's flag, always for Mixtral); "topk_softmax": the top k logits, softmax over them (gpt-oss)

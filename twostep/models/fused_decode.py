@@ -142,6 +142,8 @@ class ProgramBuilder:
 
     def moe(self, dst: int, src: int, moe) -> None:
         experts = moe.experts
+        if moe.shared_expert is not None:
+            raise NotFused("a shared expert (Qwen2-MoE) has no decode-program instruction yet")
         fused = getattr(experts.method, "fused", None)
         args = None if fused is None else fused(experts, self.kernel)
         if args is None:

@@ -25,7 +25,8 @@ def local_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
         tp.split(config.moe_intermediate_size, "expert intermediate features")
     return dataclasses.replace(config, num_heads=config.num_heads // tp.world_size, num_kv_heads=kv_end - kv_start,
                                intermediate_size=config.intermediate_size // tp.world_size,
-                               moe_intermediate_size=config.moe_intermediate_size // tp.world_size)
+                               moe_intermediate_size=config.moe_intermediate_size // tp.world_size,
+                               shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp.world_size)
 
 
 def shard_tensors(tensors: dict, config: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
@@ -39,9 +40,12 @@ def shard_tensors(tensors: dict, config: ModelConfig, tp: TensorParallel) -> dic
     vocab = tp.split(config.vocab_size, "vocabulary entries")
     heads = tp.split(config.num_heads, "attention heads")
     expert = tp.split(config.moe_intermediate_size, "expert intermediate features") if config.num_experts else None
+    shared = config.shared_expert_intermediate_size
+    sh = tp.split(shared, "shared expert intermediate features") if shared else None
     rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
-            "mlp.gate_proj": ff, "mlp.up_proj": ff}
-    cols = {"self_attn.o_proj": q, "mlp.down_proj": ff, "mlp.experts.down_proj": expert}
+            "mlp.gate_proj": ff, "mlp.up_proj": ff, "mlp.shared_expert.gate_proj": sh, "mlp.shared_expert.up_proj": sh}
+    cols = {"self_attn.o_proj": q, "mlp.down_proj": ff, "mlp.experts.down_proj": expert,
+            "mlp.shared_expert.down_proj": sh}
     per_expert = ("mlp.experts.gate_proj", "mlp.experts.up_proj")
     out = {}
     for name, t in tensors.items():

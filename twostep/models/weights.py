@@ -10,6 +10,7 @@ from twostep.quantization.packed import QuantizedWeight
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 
 
