@@ -408,7 +408,7 @@ def test_the_converted_tokenizer_is_cached_and_reads_back_identically(tmp_path, 
     cached = list((tmp_path / "cache" / "gguf-tokenizers").glob("*.json"))
     assert len(cached) == 1
     # from the cache: the converter (transformers) must not run again
-    monkeypatch.setattr("twostep.models.gguf_loader._convert_vocabulary",
+    monkeypatch.setattr("twostep.models.gguf_tokenizer._convert_vocabulary",
                         lambda *a: pytest.fail("converted again despite the cache"))
     second = load_gguf(stories_path, dtype=torch.float32)
     text = "Once upon a time, a little girl named Lily <s> found </s> a dog."

@@ -179,3 +179,16 @@ class GGUFFile:
         else:
             data = raw.reshape(quant_shape_to_byte_shape(shape, kind))
         return GGUFTensor(name, kind, dims, n_elements, n_bytes, data)
+
+
+REQUIRED = object()
+
+
+def metadata_field(reader: GGUFFile, key: str, path: str, default: Any = REQUIRED) -> Any:
+    """A metadata value as a Python object; a missing required key is a malformed file."""
+    value = reader.fields.get(key)
+    if value is not None:
+        return value
+    if default is REQUIRED:
+        raise ValueError(f"{path}: GGUF metadata lacks required key {key!r}")
+    return default

@@ -11,7 +11,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
@@ -461,7 +461,7 @@ def _jinja_env():
     class GenerationBlock(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks;
         for inference it only has to render its body."""
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
