@@ -231,3 +231,17 @@ def sliding_window(cfg: dict[str, Any], always: bool = False) -> int | None:
     if window is None or not (always or cfg.get("use_sliding_window")):
         return None
     return int(window)
+
+
+def moe_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The layers routing to experts: every decoder_sparse_step-th one not in mlp_only_layers (Qwen's)."""
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step == 0 and i not in dense)
+
+
+def moe_fields(cfg: dict[str, Any]) -> dict[str, int]:
+    """The experts' count (num_experts; num_local_experts in Mixtral's, gpt-oss's and transformers 5's
+    configs), how many a token takes, and each one's intermediate size."""
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    return dict(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]))

@@ -12,8 +12,7 @@ import dataclasses
 import torch
 
 from twostep.models.causal_lm import CausalLM
-from twostep.models.config import ModelConfig, base_config, sliding_window, window_layers
-from twostep.models.families.qwen3_moe import moe_fields
+from twostep.models.config import ModelConfig, base_config, moe_fields, sliding_window, window_layers
 from twostep.models.family import Family, Tensors
 from twostep.quantization.packed import QuantizedWeight
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from twostep.models.causal_lm import CausalLM
-from twostep.models.config import ModelConfig
+from twostep.models.config import ModelConfig, moe_fields
 from twostep.models.families.llama import mistral_config
-from twostep.models.families.qwen3_moe import moe_fields
 from twostep.models.family import Family, Tensors, rename_layer_tensors, stack_experts
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from twostep.models.causal_lm import CausalLM
-from twostep.models.config import ModelConfig, base_config
-from twostep.models.families.qwen3_moe import moe_fields
+from twostep.models.config import ModelConfig, base_config, moe_fields
 from twostep.models.family import Family, Tensors, stack_experts
 
 

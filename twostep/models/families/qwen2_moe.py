@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from twostep.models.causal_lm import CausalLM
-from twostep.models.config import ModelConfig
+from twostep.models.config import ModelConfig, moe_fields, moe_layers
 from twostep.models.families.qwen import qwen2_config
-from twostep.models.families.qwen3_moe import moe_fields, moe_layers
 from twostep.models.family import Family, Tensors, stack_experts
 
 

@@ -7,26 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 from twostep.models.causal_lm import CausalLM
-from twostep.models.config import ModelConfig
+from twostep.models.config import ModelConfig, moe_fields, moe_layers
 from twostep.models.families.qwen import qwen3_config
 from twostep.models.family import Family, Tensors, stack_experts
 
 
 class Qwen3MoeForCausalLM(CausalLM):
     pass
-
-
-def moe_layers(cfg: dict) -> tuple[int, ...]:
-    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
-    return tuple(i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step == 0 and i not in dense)
-
-
-def moe_fields(cfg: dict) -> dict:
-    """The experts' count (num_experts; num_local_experts in Mixtral's, gpt-oss's and transformers 5's
-    configs), how many a token takes, and each one's intermediate size."""
-    experts = cfg.get("num_experts") or cfg["num_local_experts"]
-    return dict(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]))
 
 
 def qwen3_moe_config(cfg: dict, arch: str) -> ModelConfig:
