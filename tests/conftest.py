@@ -105,6 +105,20 @@ ARCH_CONFIGS = {
                                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "truncate": False,
                                                    "original_max_position_embeddings": 128})),
+    # hybrid: Gated DeltaNet linear attention and gated full attention alternating, 2 key heads for
+    # 4 value heads, RoPE on a quarter of the head. Smaller random weights: at 0.2 the layers amplify
+    # float32 rounding (transformers' own float32 logits) to ~1e-4 of the exact ones
+    "qwen3.5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, initializer_range=0.1, num_key_value_heads=2, head_dim=32,
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                          linear_value_head_dim=16,
+                                          layer_types=["linear_attention", "full_attention"] * 2)),
+    # the same with experts in every layer beside a gated shared expert
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=4, initializer_range=0.1, num_key_value_heads=2, head_dim=32,
+                                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                                 linear_key_head_dim=16, linear_value_head_dim=16,
+                                                 layer_types=["linear_attention", "full_attention"] * 2,
+                                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=64)),
 }
 
 CORPUS = [

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from twostep.kv.state_slots import StateStep
 from twostep.outputs import PositionLogprobs
 from twostep.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class RequestStep:
     prompt_logprobs_from: int | None = None  # first prompt position whose logprobs are still owed
     draft_probs: torch.Tensor | None = None  # the drafts' distributions [num_drafts, V] (draft model)
     token_bitmask: torch.Tensor | None = None  # structured outputs: allowed tokens per sampled position
+    state: StateStep | None = None       # a hybrid model's state slots (kv/state_slots.py)
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,11 @@ of the tokens: the last one is always computed, so its logits exist); a sliding-
 needs only the blocks the next query sees. After every step, cache_full_blocks() registers the
 blocks that became full and computed, prompt and generated tokens alike, so the next turn of a chat
 hits them too.
+
+A hybrid model (linear-attention layers beside attention ones) has state slots too
+(kv/state_slots.py): a live slot per running sequence, allocated and freed with its blocks, and
+states saved at prompt block boundaries that a prefix hit must find at the same position as the
+blocks.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Hashable, Sequence
 from twostep.kv.block_hash import BlockKey, chain_keys
 from twostep.kv.block_pool import BlockPool, KVBlock
 from twostep.kv.block_tables import BlockTables
+from twostep.kv.state_slots import StateSlots, StateStep
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,13 +53,16 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, more_groups: Sequence[KVGroupSpec] = ()) -> None:
+                 window: int | None = None, more_groups: Sequence[KVGroupSpec] = (),
+                 num_state_slots: int = 0) -> None:
         """num_blocks, window: the first group's (all layers where they attend alike); more_groups:
-        the others (a mixed model's sliding-window layers)."""
+        the others (a mixed model's sliding-window layers); num_state_slots: a hybrid model's
+        state slots (0: no linear-attention layers)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = [BlockTables(g.num_blocks, block_size, g.window)
                        for g in (KVGroupSpec(num_blocks, window), *more_groups)]
+        self.states = StateSlots(num_state_slots, block_size) if num_state_slots else None
         self.prefix_stats = PrefixCacheStats()
         self._keys: dict[str, list[BlockKey]] = {}
 
@@ -90,13 +99,19 @@ class KVCacheManager:
         # Cap at len - 1 tokens: the last token must run through the model for its logits.
         usable = (len(token_ids) - 1) // self.block_size
         cached = [g.lookup(keys[:usable]) for g in self.groups]
+        saved = self.states.lookup(keys[:usable]) if self.states else None
         longest = usable
         for g, c in zip(self.groups, cached):
             if g.window is None:         # a full-attention group needs every leading block
                 longest = min(longest, next((i for i, b in enumerate(c) if b is None), usable))
         for n in range(longest, 0, -1):
+            if saved is not None and not self.states.hit_covers(saved, n):
+                continue
             if all(g.hit_covers(c, n) for g, c in zip(self.groups, cached)):
-                return [g.hit_blocks(c, n) for g, c in zip(self.groups, cached)], n * self.block_size
+                hit = [g.hit_blocks(c, n) for g, c in zip(self.groups, cached)]
+                if saved is not None:       # the saved state, after the groups' blocks
+                    hit.append([saved[n - 1]])
+                return hit, n * self.block_size
         return [], 0
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
@@ -111,13 +126,24 @@ class KVCacheManager:
         """Make the request's tables cover num_computed_tokens + num_new_tokens positions, starting
         from computed_blocks (get_computed_blocks' hits) for a request with no table yet; in every
         group or in none."""
-        hits = computed_blocks or [()] * len(self.groups)
+        hits = list(computed_blocks) or [()] * len(self.groups)
+        state_hit = hits.pop()[0] if len(hits) > len(self.groups) else None
         total = num_computed_tokens + num_new_tokens
         if any(g.shortfall(request_id, total, h) for g, h in zip(self.groups, hits)):
             return False
+        if self.states is not None and self.states.shortfall(request_id, state_hit):
+            return False
         for g, h in zip(self.groups, hits):
             g.allocate(request_id, total, h)
+        if self.states is not None:
+            self.states.allocate(request_id, state_hit)
         return True
+
+    def state_step(self, request_id: str, start: int, num_tokens: int, num_prompt_tokens: int) -> StateStep | None:
+        """A hybrid model's state slots for the request's step (None: no linear-attention layers)."""
+        if self.states is None:
+            return None
+        return self.states.step(request_id, start, num_tokens, num_prompt_tokens, self.enable_prefix_caching)
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           extra: Hashable = None) -> None:
@@ -126,12 +152,16 @@ class KVCacheManager:
             return
         full = num_computed_tokens // self.block_size
         if all(g.num_registered(request_id) >= full or not g.num_blocks_of(request_id) for g in self.groups):
+            if self.states is not None:
+                self.states.stepped(request_id, self._keys.get(request_id, [])[:full], num_computed_tokens)
             return
         keys = chain_keys(token_ids[:full * self.block_size], self.block_size,
                           self._keys.get(request_id, [])[:full], extra)
         self._keys[request_id] = keys
         for g in self.groups:
             g.cache_full_blocks(request_id, keys, full)
+        if self.states is not None:
+            self.states.stepped(request_id, keys, num_computed_tokens)
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Release the blocks of sliding-window groups that no query from num_computed_tokens on
@@ -147,6 +177,8 @@ class KVCacheManager:
         self._keys.pop(request_id, None)
         for g in self.groups:
             g.free(request_id)
+        if self.states is not None:
+            self.states.free(request_id)
 
     def block_ids(self, request_id: str, group: int = 0) -> list[int]:
         """One group's table: a block per position block, the null block where one was released."""
@@ -186,12 +218,21 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """The fullest group's share of its blocks in use."""
-        return max(g.pool.num_used_blocks / g.pool.num_blocks for g in self.groups)
+        pools = [g.pool for g in self.groups] + ([self.states.pool] if self.states is not None else [])
+        return max(p.num_used_blocks / p.num_blocks for p in pools)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return self.states.pool.num_free_blocks if self.states is not None else 0
 
     def reset_prefix_cache(self) -> None:
         for g in self.groups:
             g.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.states.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         for g in self.groups:
             g.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()

@@ -1,6 +1,7 @@
 """The attention block every family's layer holds: the fused q/k/v projection, optional q/k
 norms, rotary embedding over the whole head, part of it or none, the backend's attention with
-this layer's options (scale, sliding window, soft-cap, sinks), and o_proj.
+this layer's options (scale, sliding window, soft-cap, sinks), and o_proj. Qwen3.5 and Qwen3-Next
+gate the output: o times sigmoid(gate_proj(x)) before o_proj, the gate's rows fused after q/k/v.
 
 Under tensor parallelism the config is a rank's share of the heads; the sum after o_proj meets
 the other ranks. A norm over all heads (OLMo 2) would need the other ranks' heads and is refused."""
@@ -32,7 +33,8 @@ class Attention(nn.Module):
         self.options = AttentionOptions(cfg.scale, cfg.window(layer), cfg.attn_softcap)
         # gpt-oss: a learned logit per head; the options take it once loaded (loaded())
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.gate_size = self.q_size if cfg.attn_output_gate else 0
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "full" and tp.enabled:
@@ -45,7 +47,7 @@ class Attention(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v, gate = qkv.split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=-1)
         rope = None if self.rope_kind is None else ropes[self.rope_kind]
         partial = self.rotary_dim < self.head_dim
         if self.qk_norm == "full":
@@ -65,8 +67,10 @@ class Attention(nn.Module):
             _rotate_in_place(rope, (qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim),),
                              self.rotary_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.options)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
+        o = backend.forward(q, k, v, kv_cache, meta, self.options).reshape(t, self.q_size)
+        if self.gate_size:
+            o = o * torch.sigmoid(gate)
+        return self.tp.all_reduce(self.o_proj(o))
 
     def loaded(self) -> None:
         """After the checkpoint's tensors are in: the options take the sinks as loaded."""

@@ -6,6 +6,9 @@ A residual add is fused into the norm that follows it (RMSNorm(x, residual) adds
 - PreNormLayer (Llama, Mistral, Qwen, Phi-3, SmolLM3, Granite): x + attn(norm(x)), then the same with the MLP.
 - SandwichNormLayer (Gemma 2/3, GLM-4): each sub-layer's output is normed again before the add.
 - PostNormLayer (OLMo 2): no norm before a sub-layer, one on its output before the add.
+
+A layer's token mixer is attention (self_attn), or in a hybrid model's linear-attention layers a
+Gated DeltaNet (linear_attn, layers/gated_deltanet.py); `mixer` is whichever it has.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch import nn
 
 from twostep.distributed.parallel import TensorParallel
 from twostep.layers.attention import Attention
+from twostep.layers.gated_deltanet import GatedDeltaNet
 from twostep.layers.mlp import GatedMLP
 from twostep.layers.moe import SparseMoE
 from twostep.layers.norm import RMSNorm
@@ -28,9 +32,18 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, tp)
+        self.is_linear = cfg.is_linear_layer(layer)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer, tp)
+        else:
+            self.self_attn = Attention(cfg, layer, tp)
         self.mlp = SparseMoE(cfg, tp) if cfg.is_moe_layer(layer) else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """Attention, or a linear-attention layer's Gated DeltaNet."""
+        return self.linear_attn if self.is_linear else self.self_attn
 
     def norm(self, cfg) -> RMSNorm:
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -61,7 +74,7 @@ class PreNormLayer(DecoderLayer):
 
     def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.normed_input(x, residual)
-        h = self.self_attn(h, ropes, kv_cache, meta, backend)
+        h = self.mixer(h, ropes, kv_cache, meta, backend)
         h = self.post_attention_layernorm(self._scaled(h), residual)
         return self._scaled(self.mlp(h)), residual
 
@@ -92,7 +105,7 @@ class SandwichNormLayer(DecoderLayer):
 
     def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.normed_input(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, ropes, kv_cache, meta, backend))
+        h = self.post_attention_layernorm(self.mixer(h, ropes, kv_cache, meta, backend))
         h = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -115,7 +128,7 @@ class PostNormLayer(DecoderLayer):
 
     def forward(self, x, residual, ropes, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else residual.add_(x)
-        h = self.post_attention_layernorm(self.self_attn(stream, ropes, kv_cache, meta, backend))
+        h = self.post_attention_layernorm(self.mixer(stream, ropes, kv_cache, meta, backend))
         stream.add_(h)
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 

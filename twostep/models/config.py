@@ -10,6 +10,7 @@ from twostep.layers.rotary import RopeScaling
 SUPPORTED_ROPE_SCALING = ("llama3", "linear", "yarn", "longrope", "dynamic")
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+LINEAR = "linear_attention"         # a Gated DeltaNet layer (Qwen3.5, Qwen3-Next): a state, no K/V
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +62,13 @@ class ModelConfig:
     expert_bias: bool = False           # gpt-oss: each expert's projections have biases
     swiglu_limit: float | None = None   # gpt-oss's clamped SwiGLU (hidden_act "swiglu_oai")
     swiglu_alpha: float = 1.702
+    # linear attention (layers/gated_deltanet.py), in the layers layer_types marks LINEAR
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False      # Qwen3.5 / Qwen3-Next: attention output times sigmoid(gate(x))
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -75,25 +83,54 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_type(layer) == SLIDING else None
 
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.layer_type(layer) == LINEAR
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V (all but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers that keep a fixed-size state per sequence instead of K/V."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+
     @property
     def uniform_window(self) -> int | None:
         """The window where every layer has the same one (the KV manager then releases the blocks
         that fall out of it); None where any layer attends to everything."""
-        windows = {self.window(i) for i in range(self.num_layers)}
+        windows = {self.window(i) for i in self.attention_layers}
         return windows.pop() if len(windows) == 1 else None
 
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
-        """Each KV-cache group's window (kv/kv_cache_manager.py): one group where every layer
-        attends alike; else the full-attention layers first, then a group per window, narrowest first."""
-        windows = {self.window(i) for i in range(self.num_layers)}
+        """Each KV-cache group's window (kv/kv_cache_manager.py): one group where every attention
+        layer attends alike; else the full-attention layers first, then a group per window,
+        narrowest first. Linear-attention layers keep no K/V and belong to none."""
+        windows = {self.window(i) for i in self.attention_layers}
         if len(windows) == 1:
             return (windows.pop(),)
         return (None, *sorted(w for w in windows if w is not None))
 
-    def kv_group(self, layer: int) -> int:
-        """Which KV-cache group a layer's K/V belong to."""
+    def kv_group(self, layer: int) -> int | None:
+        """Which KV-cache group a layer's K/V belong to (None: a linear-attention layer's state)."""
+        if self.is_linear_layer(layer):
+            return None
         return self.kv_group_windows.index(self.window(layer)) if len(self.kv_group_windows) > 1 else 0
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The channels a linear-attention layer's convolution runs over: q, k and v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's state over every linear-attention layer: the convolution's last
+        kernel - 1 inputs (model dtype) and the recurrent matrix per value head (float32)."""
+        conv = (self.linear_conv_kernel - 1) * self.linear_conv_dim * dtype_bytes
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
 
     def rope_kind(self, layer: int) -> str | None:
         """Which rotary tables a layer reads: "global", "local" (Gemma 3's sliding layers), None (NoPE)."""
@@ -108,13 +145,13 @@ class ModelConfig:
         return self.head_dim ** -0.5 if self.query_scale is None else self.query_scale
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V, every attention layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_bytes_at(self, context: int, dtype_bytes: int) -> int:
         """K/V one sequence of `context` tokens holds: a sliding-window layer keeps its window."""
         per_layer = 2 * self.num_kv_heads * self.head_dim * dtype_bytes
-        return sum(per_layer * min(context, self.window(i) or context) for i in range(self.num_layers))
+        return sum(per_layer * min(context, self.window(i) or context) for i in self.attention_layers)
 
 
 # ---- reading a HF config.json: the helpers every family file uses ------------------------------

@@ -86,6 +86,8 @@ def _why_not_fused(model, platform: Platform, dtype: torch.dtype, backend: Hybri
         return "its kernel is not built here"
     if model.tp.world_size > 1:
         return "tensor parallelism"
+    if model.config.linear_layers or model.config.attn_output_gate:
+        return "linear-attention layers and gated attention run their own per-layer kernels"
     if not isinstance(backend.decode, PagedDecode):
         return "the attention backend is not the paged decode kernel"
     if backend.write_values is None:

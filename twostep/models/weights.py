@@ -7,8 +7,9 @@ import torch
 
 from twostep.quantization.packed import QuantizedWeight
 
+# a part ending in "?" joins where the checkpoint has it (the output gate of Qwen3.5's attention)
 _FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.gate_proj?"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
@@ -23,7 +24,8 @@ def fuse_projections(tensors: dict[str, torch.Tensor | QuantizedWeight],
         prefix = f"model.layers.{i}."
         for fused, parts in _FUSED.items():
             for kind in ("weight", "bias"):
-                names = [f"{prefix}{part}.{kind}" for part in parts]
+                names = [f"{prefix}{part.rstrip('?')}.{kind}" for part in parts
+                         if not part.endswith("?") or f"{prefix}{part[:-1]}.{kind}" in out]
                 present = [n for n in names if n in out]
                 if present and len(present) < len(names):
                     missing = sorted(set(names) - set(present))

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from twostep.attention.linear_state import allocate_state_cache
 from twostep.attention.selector import get_attention_backend
 from twostep.config import kv_format
 from twostep.distributed.parallel import TensorParallel
 from twostep.core.execution.model_runner import ModelRunner
 from twostep.kv.block_tables import BlockTables
-from twostep.kv.cache_tensors import KVCachePlan, KVGroupNeed, allocate_kv_cache, plan_kv_cache
+from twostep.kv.cache_tensors import (KVCachePlan, KVGroupNeed, allocate_kv_cache, available_memory, parse_bytes,
+                                      plan_kv_cache)
 from twostep.kv.kv_cache_manager import KVCacheManager, KVGroupSpec
 from twostep.layers.dispatch import apply_platform, weight_bytes
 from twostep.models.config import ModelConfig
@@ -43,6 +45,9 @@ class CacheSpec:
     # vLLM's gpu_memory_utilization: this fraction of the device's (CPU: the machine's) memory for
     # everything this process holds, weights included; the KV cache gets what the weights leave
     memory_utilization: float | None = None
+    # a hybrid model's state slots (kv/state_slots.py): exact count, else a live one per sequence
+    # and as many for saved prompt states, within half the cache's budget
+    num_state_slots: int | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class ModelInstance:
     max_model_len: int
     model: CausalLM
     kv_plan: KVCachePlan
+    num_state_slots: int                       # a hybrid model's state slots (0: none)
     kv_manager: KVCacheManager
     runner: ModelRunner
     tokenizer_source: object                   # an HF folder, or the tokenizer a GGUF file carries
@@ -94,23 +100,56 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
     logger.info("weights: %.1f MiB for %.1fM weights (%.2f bits per weight)", held / 2**20, weights / 1e6,
                 8 * held / max(weights, 1))
     # Sized after the weights are in place: "a fraction of free memory" means what they left.
+    num_slots, state_bytes = _plan_states(shard, spec.dtype, device, cache)
+    if state_bytes and cache.memory is not None:
+        cache = dataclasses.replace(cache, memory=max(parse_bytes(cache.memory) - state_bytes, 1))
     plan = _plan_kv(shard, spec.dtype, device, cache, max_model_len)
     max_model_len = _fit_to_cache(max_model_len, plan, cache, explicit=spec.max_model_len is not None)
     fmt = kv_format(cache.kv_cache_dtype)
-    kv_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
-                                  spec.dtype, device, fmt, [shard.kv_group(i) for i in range(shard.num_layers)])
+    layer_caches = allocate_kv_cache(plan, shard.num_layers, shard.num_kv_heads, shard.head_dim,
+                                     spec.dtype, device, fmt, [shard.kv_group(i) for i in range(shard.num_layers)])
+    states = None
+    if num_slots:
+        state_caches, *states = allocate_state_cache(
+            len(shard.linear_layers), num_slots, shard.linear_conv_kernel, shard.linear_conv_dim,
+            shard.linear_num_value_heads, shard.linear_key_head_dim, shard.linear_value_head_dim, spec.dtype,
+            device, group=len(plan.groups))
+        for layer, c in zip(shard.linear_layers, state_caches):
+            layer_caches[layer] = c
+        logger.info("linear-attention states: %d slots of %.2f MiB (%d layers: a live one per running sequence, "
+                    "the others saved prompt states for the prefix cache), %.1f MiB; K/V only for the %d attention "
+                    "layers", num_slots, state_bytes / num_slots / 2**20, len(shard.linear_layers),
+                    state_bytes / 2**20, len(shard.attention_layers))
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
     model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend)
     if model.fused_decode is not None:
         rows = model.fused_decode.max_rows
         logger.info("decode steps of %s: the %d layers in one C++ call",
                     "any batch" if rows >= ANY_ROWS else f"up to {rows} rows", shard.num_layers)
-    runner = ModelRunner(model, kv_caches, cache.block_size, backend, device, sampler)
+    runner = ModelRunner(model, layer_caches, cache.block_size, backend, device, sampler,
+                         tuple(states) if states else None)
     first, *more = plan.groups
     kv_manager = KVCacheManager(first.num_blocks, cache.block_size, cache.enable_prefix_caching, first.window,
-                                [KVGroupSpec(g.num_blocks, g.window) for g in more])
-    return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan,
+                                [KVGroupSpec(g.num_blocks, g.window) for g in more], num_slots)
+    return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan, num_slots,
                          kv_manager, runner, ckpt.tokenizer_source, dict(ckpt.generation_config or {}))
+
+
+def _plan_states(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec) -> tuple[int, int]:
+    """A hybrid model's state slots and their bytes: a live one per sequence (max_num_seqs) and, with
+    prefix caching, as many for saved prompt states; no more than half of the cache's budget (then
+    fewer sequences run at once: admission waits for a free slot)."""
+    if not config.linear_layers:
+        return 0, 0
+    per_slot = config.state_bytes(torch.empty((), dtype=dtype).element_size())
+    if cache.num_state_slots is not None:
+        return cache.num_state_slots, cache.num_state_slots * per_slot
+    want = cache.max_num_seqs * (2 if cache.enable_prefix_caching else 1)
+    if cache.num_blocks is None:
+        budget = (parse_bytes(cache.memory) if cache.memory is not None
+                  else int(available_memory(device) * cache.memory_fraction))
+        want = max(2, min(want, budget // 2 // per_slot))
+    return want, want * per_slot
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None, cap: bool = False) -> int:

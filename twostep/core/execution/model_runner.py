@@ -12,7 +12,7 @@ of a request verifying drafts, plus prompt positions of requests that asked for 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -20,6 +20,7 @@ import torch
 
 from twostep.attention.backend import AttentionBackend
 from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
+from twostep.attention.linear_state import LinearStateCache, StateMetadata
 from twostep.attention.metadata import AttentionMetadata, int64_tensor
 from twostep.core.execution.request_states import RequestState, RequestStates
 from twostep.core.step_outputs import ModelRunnerOutput, RequestStep, StepPlan, StepResult
@@ -42,6 +43,8 @@ class StepInputs:
     # every row a generated position: one sequence's next token or a draft it verifies (no prompt
     # rows): the kernels may take a decode batch's faster products (platforms/step_kind.py)
     decode_batch: bool = False
+    states: StateMetadata | None = None      # a hybrid model's linear-attention layers' layout
+    state_starts: list[tuple[int, int]] = field(default_factory=list)   # (live slot, restore from; 0: zero it)
 
     @property
     def meta(self) -> AttentionMetadata:
@@ -66,10 +69,17 @@ class _LogitRows:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[KVLayerCache], block_size: int,
-                 backend: AttentionBackend, device: torch.device, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, layer_caches: list[KVLayerCache | LinearStateCache], block_size: int,
+                 backend: AttentionBackend, device: torch.device, sampler: Sampler,
+                 states: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """layer_caches: each layer's K/V, or a linear-attention layer's states (views of `states`:
+        every such layer's conv and recurrent states, [layers, slots + 1, ...])."""
         self.model = model
-        self.kv_caches = kv_caches
+        self.layer_caches = layer_caches
+        self.kv_caches = [c for c in layer_caches if isinstance(c, KVLayerCache)]
+        self.state_caches = [c for c in layer_caches if isinstance(c, LinearStateCache)]
+        self.states = states
+        kv_caches = self.kv_caches
         self.block_size = block_size
         self.backend = backend
         self.device = device
@@ -98,6 +108,7 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput([StepResult() for _ in plan.steps])
         results = self._results(plan.steps, states, logits, rows)
+        self._keep_verified_states(plan.steps, results)
         for state, result in zip(states, results):   # what it sampled, and the drafts it accepted
             state.output_token_ids.extend(result.token_ids)
         return ModelRunnerOutput(results)
@@ -140,13 +151,43 @@ class ModelRunner:
         """This rank's part of a step's forward."""
         self.ensure_zeroed(inputs.blocks)
         metas = [self.backend.build_metadata(m) for m in inputs.metas]
+        if inputs.states is not None:
+            self._start_states(inputs.state_starts)
+            metas.append(inputs.states)
         every_row = rows is not None and rows == list(range(len(inputs.input_ids)))
         with decode_batch(inputs.decode_batch):
-            hidden, logits = self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.kv_caches,
+            hidden, logits = self.model.hidden_and_logits(inputs.input_ids, inputs.positions, self.layer_caches,
                                                           metas, self.backend, every_row)
             if rows is None or logits is not None:
                 return hidden, logits
             return hidden, self.model.compute_logits(_pick_rows(hidden, rows))
+
+    def _start_states(self, starts: list[tuple[int, int]]) -> None:
+        """Sequences that start this step: from a saved state (a prefix hit), else from zero; in
+        every linear-attention layer at once."""
+        for c in self.state_caches:
+            c.verified.clear()
+        for whole in self.states:
+            for slot, source in starts:
+                if source:
+                    whole[:, slot].copy_(whole[:, source])
+                else:
+                    whole[:, slot].zero_()
+
+    def _keep_verified_states(self, steps: list[RequestStep], results: list[StepResult]) -> None:
+        """A verification step leaves each linear-attention layer's state after its last token;
+        the state to keep is the one after the last accepted draft (rejected ones leave nothing)."""
+        if not self.state_caches:
+            return
+        for i, (s, result) in enumerate(zip(steps, results)):
+            if not s.num_drafts or result.num_accepted == s.num_drafts:
+                continue
+            for c in self.state_caches:
+                conv, recurrent = c.verified[i]
+                c.conv[s.state.slot].copy_(conv[result.num_accepted])
+                c.recurrent[s.state.slot].copy_(recurrent[result.num_accepted])
+        for c in self.state_caches:
+            c.verified.clear()
 
     def ensure_zeroed(self, tables: list[list[int]]) -> None:
         """Zero those of these blocks (a list per KV-cache group) that were never written (see __init__)."""
@@ -187,8 +228,19 @@ class ModelRunner:
                                            slot_mapping=int64_tensor(slots, self.device), block_tables=table,
                                            block_size=self.block_size, is_decode=is_decode))
             written.append(sorted({sl // self.block_size for sl in slots}))
-        return StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), metas, written,
-                          all(s.decode for s in steps))
+        inputs = StepInputs(int64_tensor(ids, self.device), int64_tensor(pos, self.device), metas, written,
+                            all(s.decode for s in steps))
+        if self.state_caches:
+            self._prepare_states(steps, inputs)
+        return inputs
+
+    def _prepare_states(self, steps: list[RequestStep], inputs: StepInputs) -> None:
+        """The linear-attention layers' layout of the step, from each request's state slots."""
+        saves = {i: (s.state.save_at, s.state.save_slot) for i, s in enumerate(steps) if s.state.save_slot}
+        meta = inputs.meta
+        inputs.states = StateMetadata.build(meta.query_start_loc, meta.query_lens, [s.state.slot for s in steps],
+                                            [s.num_drafts for s in steps], saves, self.device)
+        inputs.state_starts = [(s.state.slot, s.state.restore) for s in steps if s.state.restore or s.state.fresh]
 
     def _group_slots(self, tables: list[list[int]], steps: list[RequestStep]) -> tuple[list[int], torch.Tensor]:
         """One KV-cache group's slot of every new token and its block tables [B, max blocks],

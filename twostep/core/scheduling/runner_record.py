@@ -41,5 +41,5 @@ class RunnerRecord:
                 rid, s.start, s.input_token_ids(), new_blocks=[t[first:] for t in tables], block_start=first,
                 num_drafts=len(s.spec_token_ids), samples=s.completes_known_tokens, decode=s.is_decode,
                 prompt_logprobs_from=request.num_prompt_logprobs if request.wants_prompt_logprobs else None,
-                draft_probs=s.spec_draft_probs, token_bitmask=s.token_bitmask))
+                draft_probs=s.spec_draft_probs, token_bitmask=s.token_bitmask, state=s.state))
         return plan

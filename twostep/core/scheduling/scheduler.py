@@ -113,6 +113,7 @@ class Scheduler:
         now = time.monotonic()
         for s in out.scheduled:
             s.tables = self.kv.tables(s.request.request_id)
+            s.state = self.kv.state_step(s.request.request_id, s.start, s.num_tokens, s.request.num_prompt_tokens)
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
             grammar = s.request.grammar

@@ -9,6 +9,7 @@ import torch
 
 from twostep.core.scheduling.request import Request
 from twostep.core.step_outputs import StepPlan
+from twostep.kv.state_slots import StateStep
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class ScheduledRequest:
     # Structured outputs: tokens allowed at each sampled position ([1 + drafts, W]), set by the
     # scheduler when this step samples for a constrained request.
     token_bitmask: torch.Tensor | None = None
+    state: StateStep | None = None       # a hybrid model's state slots this step, set by the scheduler
 
     @property
     def num_known_tokens(self) -> int:
