@@ -119,6 +119,14 @@ ARCH_CONFIGS = {
                                                  layer_types=["linear_attention", "full_attention"] * 2,
                                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=64)),
+    # Qwen3.5's layers from the fused per-key-head projections, experts in every other layer
+    "qwen3-next": ("Qwen3NextConfig", dict(num_hidden_layers=4, initializer_range=0.1, num_key_value_heads=2,
+                                           head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                           linear_key_head_dim=16, linear_value_head_dim=16,
+                                           layer_types=["linear_attention", "full_attention"] * 2,
+                                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=64, decoder_sparse_step=2,
+                                           norm_topk_prob=True)),
 }
 
 CORPUS = [

@@ -12,7 +12,7 @@ from conftest import engine_for, hf_greedy, load_hf, random_prompts, run_all
 from twostep import SamplingParams
 
 FAMILIES = ["mistral-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "smollm3", "olmo2", "granite", "glm4",
-            "qwen3-moe", "mixtral", "gpt-oss", "olmoe", "qwen2-moe", "qwen3.5", "qwen3.5-moe"]
+            "qwen3-moe", "mixtral", "gpt-oss", "olmoe", "qwen2-moe", "qwen3.5", "qwen3.5-moe", "qwen3-next"]
 WINDOW = 8          # the tiny windowed models' (conftest.ARCH_CONFIGS)
 
 
