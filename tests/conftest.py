@@ -285,8 +285,16 @@ def run_all(engine, prompts, params=GREEDY, check_every_step=True):
                 done[out.request_id] = out
         if check_every_step:
             engine.scheduler.kv.check_integrity()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks, "blocks leaked"
+    assert_all_free(engine)
     return [done[i] for i in ids]
+
+
+def assert_all_free(engine) -> None:
+    """No request left: every KV block and every state slot is free (cached ones count as free)."""
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
+    if kv.states is not None:
+        assert kv.num_free_state_slots == kv.states.pool.num_blocks, "state slots leaked"
 
 
 # ---- a `twostep serve` subprocess and the HTTP helpers to drive it ----------------------------

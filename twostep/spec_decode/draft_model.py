@@ -45,6 +45,10 @@ class DraftModelProposer:
                       vocab_size=target.config.vocab_size),
             CacheSpec(engine.block_size, "auto", False, num_blocks=target.kv_plan.num_blocks),
             sampler)
+        if draft.config.linear_layers:
+            raise ValueError(f"draft model {draft.path}: a model with linear-attention layers (Qwen3.5, Qwen3-Next) "
+                             "cannot be the draft yet (its state does not roll back to the verified prefix); "
+                             "use a model with attention only, or n-gram speculation")
         self.max_model_len = draft.max_model_len
         self.kv, self.runner = draft.kv_manager, draft.runner
         self.sampler = sampler
