@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/make_shape.py [--shape qwen2.5-0.5b] [--out /tmp/twostep-qwen-shape]
     .venv/bin/python benchmarks/make_shape.py --shape gemma-3-1b       # /tmp/twostep-gemma3-shape
     .venv/bin/python benchmarks/make_shape.py --shape qwen3-30b-a3b-mini   # /tmp/twostep-qwen3moe-shape
+    .venv/bin/python benchmarks/make_shape.py --shape qwen3.5-0.8b     # /tmp/twostep-qwen35-shape (hybrid)
+    .venv/bin/python benchmarks/make_shape.py --shape qwen3-0.6b       # /tmp/twostep-qwen3-shape
 
 Shapes: Qwen2.5-0.5B (the default); Gemma 3 1B (26 layers, 22 of them attending within 512
 tokens, one KV head of 256, a 262,144-token vocabulary); and Qwen3-30B-A3B scaled down, a
@@ -92,11 +94,39 @@ def qwen3_moe_shape_config():
         dtype="bfloat16")
 
 
+def qwen3_5_shape_config():
+    """Qwen3.5-0.8B's text model, per its published config.json: 24 layers, three of four Gated
+    DeltaNet (16 key and 16 value heads of 128), every fourth gated full attention (8 query / 2
+    KV heads of 256, RoPE on a quarter of the head), a tied 248,320-row vocabulary."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=248044, eos_token_id=248044,
+        dtype="bfloat16")
+
+
+def qwen3_shape_config():
+    """Qwen3-0.6B: the full-attention model of about the same size (28 layers, 16 query / 8 KV heads of 128)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643,
+        dtype="bfloat16")
+
+
 # name -> (its config, the regular tokens of its vocabulary, the default folder)
 SHAPES = {
     "qwen2.5-0.5b": (qwen_shape_config, 151643, "/tmp/twostep-qwen-shape"),
     "gemma-3-1b": (gemma3_shape_config, 262144 - len(SPECIAL_TOKENS), "/tmp/twostep-gemma3-shape"),
     "qwen3-30b-a3b-mini": (qwen3_moe_shape_config, 151643, "/tmp/twostep-qwen3moe-shape"),
+    "qwen3.5-0.8b": (qwen3_5_shape_config, 248320 - len(SPECIAL_TOKENS), "/tmp/twostep-qwen35-shape"),
+    "qwen3-0.6b": (qwen3_shape_config, 151643, "/tmp/twostep-qwen3-shape"),
 }
 
 
@@ -170,8 +200,10 @@ def write_gguf(out: Path, llama_cpp_src: Path) -> None:
         sys.exit(f"{script} not found: unpack the llama-cpp-python sdist (docs/benchmarking.md) and "
                  "pass its vendor/llama.cpp as --llama-cpp-src or $LLAMA_CPP_SRC")
     tmp = out / (GGUF_NAME + ".part")
+    # a checkpoint without Qwen3.5's multi-token-prediction layer: the converter must not look for it
+    mtp = ["--no-mtp"] if "qwen3_5" in (out / "config.json").read_text() else []
     subprocess.run([sys.executable, "-c", _CONVERT, str(script), str(out), "--outtype", "bf16",
-                    "--outfile", str(tmp)], check=True)
+                    "--outfile", str(tmp), *mtp], check=True)
     tmp.rename(out / GGUF_NAME)
 
 
