@@ -55,9 +55,11 @@ def _config_json_source(path: Path) -> ModelSource:
 
 
 def source_from_hf_config(config: dict, name: str) -> ModelSource:
-    # transformers 5 writes "dtype", 4.x "torch_dtype"; checkpoints without either are nearly all
-    # published in bf16 nowadays.
-    stored = find_format(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    # transformers 5 writes "dtype", 4.x "torch_dtype" (a multimodal checkpoint's language model may
+    # keep it in text_config); checkpoints without either are nearly all published in bf16 nowadays.
+    text = config.get("text_config") or {}
+    stored = find_format(config.get("dtype") or config.get("torch_dtype") or text.get("dtype")
+                         or text.get("torch_dtype") or "bfloat16")
     return ModelSource(name, config, stored)
 
 

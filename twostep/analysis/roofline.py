@@ -21,6 +21,19 @@ E (1 - (1 - k/E)^x), for decode's batch of B sequences as for prefill's S tokens
 
 So decode's bound at batch 1 is the active weight bytes per token, not all of them; a dense model
 has N' = N and W(x) = N b, the formula above.
+
+A hybrid model (model_stats.py: Qwen3.5, Qwen3-Next) has K/V in its attention layers only (k counts
+those) and a state of s bytes per sequence in its linear-attention layers, the same at any context.
+Each sequence reads its state and writes it back once per step: once per token in decode, once for
+a prompt prefilled in one step (a kernel that keeps its chunks' states on chip; one that spills each
+chunk's adds more, and so does a prompt split over several steps). A linear-attention layer has
+no attention scores (the term left out above, which grows with the context); its token costs the
+projections (in 2N') and the delta rule's recurrence, a constant (model_stats.DELTA_RULE_FLOPS),
+F = 2N' + that in all:
+
+    prefill: F S / (W(S) + kS + 2s)        decode: F B / (W(B) + (kS + 2s) B)
+
+So the state's share of decode's bytes is flat in the context where the K/V's grows with it.
 """
 from __future__ import annotations
 
@@ -69,7 +82,10 @@ class PhasePoint:
     tokens: int                 # prefill: prompt length S; decode: context S of each sequence
     batch: int                  # sequences: 1 for prefill, B for decode
     flops: float
-    bytes: float
+    bytes: float                # weight_bytes + kv_bytes + state_bytes
+    weight_bytes: float         # the weights read (a MoE model: the experts these tokens take)
+    kv_bytes: float             # K/V written (prefill) or read (decode), attention layers only
+    state_bytes: float          # a hybrid's linear-attention state, read and written once per step
     intensity: float
     bound: str                  # "compute" or "memory"
     attainable_flops: float     # the roof at this intensity: min(peak, intensity x bandwidth)
@@ -78,25 +94,31 @@ class PhasePoint:
 
 
 def prefill_point(m: ModelStats, hw: Hardware, prompt_len: int) -> PhasePoint:
-    flops = 2 * m.active_params * prompt_len
-    nbytes = m.weight_bytes_read(prompt_len) + m.kv.bytes_at(prompt_len)
+    flops = m.flops_per_token * prompt_len
+    # a hybrid's state: read at the prompt's start and written at its end, once for the sequence
+    nbytes = (m.weight_bytes_read(prompt_len), m.kv.bytes_at(prompt_len), 2 * m.state.bytes_per_sequence)
     return _point("prefill", prompt_len, 1, flops, nbytes, hw, new_tokens=prompt_len)
 
 
 def decode_point(m: ModelStats, hw: Hardware, context: int, batch: int) -> PhasePoint:
-    flops = 2 * m.active_params * batch
-    # a MoE model: the experts the batch's B tokens take, E (1 - (1 - k/E)^B) per layer expected
-    nbytes = m.weight_bytes_read(batch) + m.kv.bytes_at(context) * batch
+    flops = m.flops_per_token * batch
+    # a MoE model: the experts the batch's B tokens take, E (1 - (1 - k/E)^B) per layer expected;
+    # each sequence reads its context's K/V and reads and writes a hybrid's state
+    nbytes = (m.weight_bytes_read(batch), m.kv.bytes_at(context) * batch,
+              2 * m.state.bytes_per_sequence * batch)
     return _point("decode", context, batch, flops, nbytes, hw, new_tokens=batch)
 
 
-def _point(phase: str, tokens: int, batch: int, flops: float, nbytes: float, hw: Hardware,
-           new_tokens: int) -> PhasePoint:
+def _point(phase: str, tokens: int, batch: int, flops: float, parts: tuple[float, float, float],
+           hw: Hardware, new_tokens: int) -> PhasePoint:
+    weight_bytes, kv_bytes, state_bytes = parts
+    nbytes = weight_bytes + kv_bytes + state_bytes
     i = flops / nbytes
     # The roofline time: the math takes at least flops/peak and the traffic at least bytes/bandwidth,
     # and at best they overlap completely.
     time_s = max(flops / hw.peak_flops, nbytes / hw.bandwidth)
     return PhasePoint(phase=phase, tokens=tokens, batch=batch, flops=flops, bytes=nbytes,
+                      weight_bytes=weight_bytes, kv_bytes=kv_bytes, state_bytes=state_bytes,
                       intensity=i, bound="compute" if i >= hw.ridge else "memory",
                       attainable_flops=min(hw.peak_flops, i * hw.bandwidth), time_s=time_s,
                       tokens_per_s=new_tokens / time_s)
@@ -106,46 +128,50 @@ def _point(phase: str, tokens: int, batch: int, flops: float, nbytes: float, hw:
 class Crossover:
     ridge: float                            # the hardware's peak FLOP/s / bandwidth
     prefill_min_prompt_len: int | None      # prefill is compute-bound from this S on; None: never
-    prefill_intensity_limit: float          # 2N/k (MoE: 2N'/k), what prefill tends to as S grows
+    prefill_intensity_limit: float          # 2N/k (MoE: 2N'/k; hybrid: F/k), what prefill tends to as S grows
     decode_context: int
     decode_min_batch: int | None            # decode at decode_context is compute-bound from this B on
-    decode_intensity_limit: float           # 2N/(kS) (MoE: 2N'/(kS)), what decode tends to as B grows
+    decode_intensity_limit: float           # 2N/(kS) (hybrid: F/(kS + 2s)), what decode tends to as B grows
 
 
 def crossover(m: ModelStats, hw: Hardware, context: int) -> Crossover:
     n, b, k = m.active_params, m.bytes_per_weight, m.kv.bytes_per_token
-    c = m.kv.bytes_at(context)
-    if m.is_moe:
-        prefill, decode = _first_compute_bound_routed(m, k, hw.ridge), _first_compute_bound_routed(m, c, hw.ridge)
+    f, state = m.flops_per_token, 2 * m.state.bytes_per_sequence
+    c = m.kv.bytes_at(context) + state          # what each decoding sequence reads (and writes)
+    if m.is_moe or m.is_hybrid:
+        # prefill: the state once per sequence, beside the weights; decode: once per sequence and token
+        prefill = _first_compute_bound_routed(m, k, hw.ridge, fixed=state)
+        decode = _first_compute_bound_routed(m, c, hw.ridge)
     else:
         prefill, decode = first_compute_bound(n, b, k, hw.ridge), first_compute_bound(n, b, c, hw.ridge)
     return Crossover(
         ridge=hw.ridge,
         prefill_min_prompt_len=prefill,
-        prefill_intensity_limit=2 * n / k,
+        prefill_intensity_limit=f / k if k else math.inf,
         decode_context=context,
         decode_min_batch=decode,
-        decode_intensity_limit=2 * n / c,
+        decode_intensity_limit=f / c if c else math.inf,
     )
 
 
-def routed_intensity(m: ModelStats, c: float, x: int) -> float:
-    """2N'x / (W(x) + cx): x tokens of a MoE model reading the experts they take once, each bringing c
-    bytes of KV. (A dense model's W(x) = Nb: intensity(N, b, c, x).)"""
-    return 2 * m.active_params * x / (m.weight_bytes_read(x) + c * x)
+def routed_intensity(m: ModelStats, c: float, x: int, fixed: float = 0.0) -> float:
+    """F x / (W(x) + fixed + c x): x tokens of a MoE or hybrid model reading the weights they take once,
+    each bringing c bytes of KV (and state), `fixed` bytes beside the weights (a prompt's state).
+    F = 2N' for a model without linear attention. (A dense model's W(x) = Nb: intensity(N, b, c, x).)"""
+    return m.flops_per_token * x / (m.weight_bytes_read(x) + fixed + c * x)
 
 
-def _first_compute_bound_routed(m: ModelStats, c: float, ridge: float) -> int | None:
-    """first_compute_bound for a MoE model, whose weight bytes grow with x: no closed form, but
-    W(x)/x falls as x grows (W is concave and W(0) > 0), so the intensity rises towards 2N'/c and a
-    search finds where it passes the ridge."""
-    if 2 * m.active_params <= ridge * c:
+def _first_compute_bound_routed(m: ModelStats, c: float, ridge: float, fixed: float = 0.0) -> int | None:
+    """first_compute_bound where the FLOPs per token are F, not 2N, or the weight bytes grow with x (a
+    MoE model): no closed form for the latter, but (W(x) + fixed)/x falls as x grows (W is concave and
+    W(0) > 0), so the intensity rises towards F/c and a search finds where it passes the ridge."""
+    if m.flops_per_token <= ridge * c:
         return None
     high = 1
-    while routed_intensity(m, c, high) < ridge:
+    while routed_intensity(m, c, high, fixed) < ridge:
         high *= 2
     low = high // 2         # below the ridge, or 0
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if routed_intensity(m, c, mid) < ridge else (low, mid)
+        low, high = (mid, high) if routed_intensity(m, c, mid, fixed) < ridge else (low, mid)
     return high
