@@ -1,7 +1,8 @@
 """GGUF files of the families beyond llama and qwen (gemma2, gemma3, phi3, smollm3, olmo2, granite,
-glm4, and llama with attention biases), written by llama.cpp's own converter from tiny random HF
-models: in f32 they run as transformers (and twostep) run the HF checkpoint; their Q8_0 files (the
-converter's) and Q4_0 files (llama-quantize's) run as the same file dequantized at load.
+glm4, llama with attention biases, the MoE families, and the hybrids Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next), written by llama.cpp's own converter from tiny random HF models: in f32 they run as
+transformers (and twostep) run the HF checkpoint; their Q8_0 files (the converter's) and Q4_0 files
+(llama-quantize's) run as the same file dequantized at load.
 
 The converter, $LLAMA_CPP_SRC/convert_hf_to_gguf.py, runs unchanged but for the vocabulary: the tiny
 models' BPE tokenizer has a pre-tokenizer hash it does not know (it raises), and its Gemma 2 and
@@ -11,10 +12,15 @@ and metadata are the converter's own.
 
 A setting a GGUF file cannot hold is built into the tiny model with the value llama.cpp assumes
 (CASES): Gemma 2's query_pre_attn_scalar (llama.cpp scales by the head size), Gemma 3's layer
-pattern (the converter writes none: every 6th layer full), SmolLM3's NoPE layers (every 4th), and
+pattern (the converter writes none: every 6th layer full), SmolLM3's NoPE layers (every 4th),
 Phi-3's LongRoPE attention factor (the converter computes it from max / original context, HF from
-`factor`: made to agree). The Gemma 3 converter drops the embedding rows past the tokenizer's real
-vocabulary (371 of 384 here), so its greedy tokens are compared with transformers' over those rows.
+`factor`: made to agree), and Qwen3-Next's experts (llama.cpp's qwen3next has them in every layer).
+The hybrids' norms are randomised (HF starts them all alike: 0 for a 1 + w norm, 1 for the gated
+one), and Qwen3.5's checkpoint gets a multi-token prediction block (mtp.*: the converter writes it
+as a block past the last, which is not loaded); the others are converted with --no-mtp (without
+it the converter refuses a Qwen3.5 / Qwen3-Next checkpoint that lacks the block). The Gemma 3
+converter drops the embedding rows past the tokenizer's real vocabulary (371 of 384 here), so its
+greedy tokens are compared with transformers' over those rows.
 
 Without $LLAMA_CPP_SRC the conversion tests skip; without llama-quantize ($LLAMA_CPP_BIN_DIR) the
 Q4_0 ones do. The refusal tests at the end write their files with the gguf package and need neither.
@@ -58,13 +64,22 @@ CASES = {
     "mixtral": ("mixtral", {}, _INT16),          # a llama file with experts
     "gpt-oss": ("gpt-oss", {}, _INT16),          # sinks, expert biases, YaRN without truncation
     "olmoe": ("olmoe", {}, _INT16),              # q/k norms over all heads, weights not renormalised
+    # value heads tiled over the key heads in the file (undone); heads of 32 dims (llama.cpp wants
+    # key and value heads alike): packed, out_proj's columns move as whole blocks
+    "qwen3.5": ("qwen3.5", {"linear_key_head_dim": 32, "linear_value_head_dim": 32}, {}),
+    # heads of 16 dims: a packed out_proj's columns cannot be reordered, it is dequantized
+    "qwen3.5-moe": ("qwen3.5-moe", {}, _INT16),
+    "qwen3-next": ("qwen3-next", {"decoder_sparse_step": 1}, _INT16),     # in_proj_ba cut per key head
 }
-MOE = ("qwen3-moe", "mixtral", "gpt-oss", "olmoe")
+MOE = ("qwen3-moe", "mixtral", "gpt-oss", "olmoe", "qwen3.5-moe", "qwen3-next")
+HYBRID = ("qwen3.5", "qwen3.5-moe", "qwen3-next")
+WITH_MTP = ("qwen3.5",)
 PROMPT_LENGTHS = [5, 17, 40]
 NEW_TOKENS = 16
 
 # llama.cpp's converter with the vocabulary written the GPT-2 way; argv: source folder, JSON list of
-# [model folder, output file, outtype]. One process for all: torch and transformers load once.
+# [model folder, output file, outtype, converter flags...]. One process for all: torch and
+# transformers load once (--no-mtp sets a class attribute: undone for the next file).
 _CONVERT = r"""
 import json, runpy, sys
 src, jobs = sys.argv[1], json.loads(sys.argv[2])
@@ -75,11 +90,13 @@ model_class = conversion.get_model_class
 def gpt2_vocabulary(name, mmproj=False):
     cls = model_class(name, mmproj)
     cls.set_vocab = TextModel._set_vocab_gpt2
+    if getattr(cls, "supports_mtp_export", False):
+        cls.no_mtp = False
     return cls
 conversion.get_model_class = gpt2_vocabulary
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-for folder, outfile, outtype in jobs:
-    sys.argv = [src + "/convert_hf_to_gguf.py", folder, "--outfile", outfile, "--outtype", outtype]
+for folder, outfile, outtype, *flags in jobs:
+    sys.argv = [src + "/convert_hf_to_gguf.py", folder, "--outfile", outfile, "--outtype", outtype, *flags]
     runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -103,6 +120,35 @@ def _llama_quantize() -> Path:
     return found
 
 
+def _hybrid_checkpoint(folder: Path, mtp: bool) -> None:
+    """Random norms (HF's are 0: 1 + w would be 1 with or without the 1), and with `mtp` a multi-token
+    prediction block as Qwen3.5's checkpoints have it (mtp.*), its layer a full attention layer's
+    tensors plus noise."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    rng = torch.Generator().manual_seed(1)
+    noise = lambda t: torch.randn(t.shape, generator=rng) * 0.3
+    tensors = {n: t + noise(t) if n.endswith("norm.weight") else t for n, t in tensors.items()}
+    if mtp:
+        hidden, full = config["hidden_size"], config["layer_types"].index("full_attention")
+        tensors |= {f"mtp.{n}.weight": noise(torch.empty(hidden)) for n in
+                    ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+        tensors["mtp.fc.weight"] = noise(torch.empty(hidden, 2 * hidden))
+        prefix = f"model.layers.{full}."
+        tensors |= {"mtp.layers.0." + n[len(prefix):]: t + noise(t) for n, t in list(tensors.items())
+                    if n.startswith(prefix)}
+        (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _converter_flags(src: Path, case: str) -> list[str]:
+    """--no-mtp for a hybrid without the MTP block, where the converter knows the flag."""
+    knows = "--no-mtp" in (src / "convert_hf_to_gguf.py").read_text()
+    return ["--no-mtp"] if case in HYBRID and case not in WITH_MTP and knows else []
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """case -> (HF folder, folder of its GGUF files: f32.gguf, q8_0.gguf)."""
@@ -110,7 +156,10 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("gguf-families")
     out = {case: (make_tiny_model(root / case / "hf", arch, **overrides), root / case)
            for case, (arch, overrides, _) in CASES.items()}
-    jobs = [[str(hf), str(files / f"{t}.gguf"), t] for hf, files in out.values() for t in ("f32", "q8_0")]
+    for case in HYBRID:
+        _hybrid_checkpoint(out[case][0], mtp=case in WITH_MTP)
+    jobs = [[str(hf), str(files / f"{t}.gguf"), t, *_converter_flags(src, case)]
+            for case, (hf, files) in out.items() for t in ("f32", "q8_0")]
     run = subprocess.run([sys.executable, "-c", _CONVERT, str(src), json.dumps(jobs)],
                          check=False, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
@@ -178,6 +227,26 @@ def test_a_converted_file_runs_as_transformers_runs_the_checkpoint(converted, ca
     assert _greedy(_engine(folder, case), prompts, vocab) == expected     # twostep on the HF folder
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", HYBRID)
+def test_a_hybrid_file_loads_what_its_checkpoint_loads(converted, case):
+    """Tensor by tensor: value heads untiled (Qwen3.5), A_log from -exp(A_log), the convolution
+    unsqueezed, q_proj cut into query and gate per head, Qwen3-Next's b/a per key head, the norms'
+    folded 1 + w (all but the gated norm's) as the family's from_hf makes them; the MTP layer skipped."""
+    from twostep.models.loader import load_checkpoint
+
+    folder, files = converted[case]
+    theirs = load_checkpoint(str(folder), torch.float32)
+    ckpt = load_gguf(files / "f32.gguf")
+    fields = gguf.GGUFReader(str(files / "f32.gguf")).fields
+    blocks = fields[f"{fields['general.architecture'].contents()}.block_count"].contents()
+    assert blocks == theirs.config.num_layers + (case in WITH_MTP)
+    assert ckpt.hf_config["num_hidden_layers"] == theirs.config.num_layers
+    assert ckpt.tensors.keys() == theirs.tensors.keys()
+    for name, t in theirs.tensors.items():
+        torch.testing.assert_close(ckpt.tensors[name], t, rtol=0, atol=1e-6, msg=name)
+
+
 # Decode steps multiply packed weights with quantized activations: int16 for Q8_0 (2e-4 of a
 # product's scale), int8 for Q4_0 (2e-2: tests/quantization's INT8_RTOL), summed over the layers.
 # So a packed run's greedy token may differ from the dequantized run's where two logits nearly tie:
@@ -199,6 +268,12 @@ def test_a_quantized_file_runs_as_itself_dequantized(converted, case, qtype):
     for name in kept:       # cut, reordered and packed, the same numbers as the float path
         torch.testing.assert_close(packed.tensors[name].dequantize(), plain.tensors[name], rtol=0, atol=0, msg=name)
 
+    if case in HYBRID:      # cut per head, rows reordered: packed all the same
+        assert any(".linear_attn.in_proj_qkv." in n for n in kept) and any(".self_attn.gate_proj." in n for n in kept)
+        # Qwen3.5-MoE's value heads (16 dims) are narrower than a block: its out_proj columns are reordered in float
+        out_proj = packed.tensors["model.layers.0.linear_attn.out_proj.weight"]
+        assert isinstance(out_proj, QuantizedWeight) == (case != "qwen3.5-moe")
+
     packed, plain = _engine(path, case), _engine(path, case, quantization="none")
     vocab = packed.model_config.vocab_size
     prompt = random_prompts([23], seed=5, vocab=vocab)[0]
@@ -218,10 +293,11 @@ def test_a_quantized_file_runs_as_itself_dequantized(converted, case, qtype):
 
 # ---- what is refused, by name: small files written here -----------------------------------------
 
-def _write(path: Path, arch: str, layers: dict[str, tuple[int, ...]] | None = None, num_layers: int = 1,
+def _write(path: Path, arch: str, layers: dict | list[dict] | None = None, num_layers: int = 1,
            heads: int = 2, head_dim: int = 4, **metadata) -> Path:
-    """A tiny file of `arch`: hidden 8, vocabulary 8, and the given block tensors (torch shapes) in
-    every layer; metadata (after "{arch}.") as keyword arguments, dots spelled "__"."""
+    """A tiny file of `arch`: hidden 8, vocabulary 8, and the given block tensors (torch shapes, random,
+    or arrays) in every layer (a list: layer by layer); metadata (after "{arch}.") as keyword
+    arguments, dots spelled "__"."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(num_layers)
     writer.add_context_length(64)
@@ -247,8 +323,9 @@ def _write(path: Path, arch: str, layers: dict[str, tuple[int, ...]] | None = No
     writer.add_tensor("token_embd.weight", rng.standard_normal((8, 8), dtype=np.float32))
     writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
     for i in range(num_layers):
-        for name, shape in (layers or {}).items():
-            writer.add_tensor(f"blk.{i}.{name}", rng.standard_normal(shape, dtype=np.float32))
+        for name, shape in ((layers[i] if isinstance(layers, list) else layers) or {}).items():
+            value = shape if isinstance(shape, np.ndarray) else rng.standard_normal(shape, dtype=np.float32)
+            writer.add_tensor(f"blk.{i}.{name}", value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -330,3 +407,46 @@ def test_experts_load_stacked(tmp_path):
 def test_an_expert_count_or_top_k_the_tensors_contradict_is_refused(tmp_path, metadata, message):
     with pytest.raises(ValueError, match=rf"m\.gguf: {message}"):
         load_gguf(_write(tmp_path / "m.gguf", "qwen3moe", QWEN3MOE_LAYER, expert_feed_forward_length=16, **metadata))
+
+
+# Qwen3-Next layers, torch shapes: hidden 8, MLP 16; a Gated DeltaNet of 2 key heads and 4 value heads
+# of 2 dims (16 conv channels), then gated attention of 2 query heads (query and gate rows) and 1 KV head of 4
+_NORMS_MLP = {"attn_norm.weight": (8,), "post_attention_norm.weight": (8,), "ffn_gate.weight": (16, 8),
+              "ffn_up.weight": (16, 8), "ffn_down.weight": (8, 16)}
+QWEN3NEXT_LINEAR = {**_NORMS_MLP, "attn_qkv.weight": (16, 8), "attn_gate.weight": (8, 8), "ssm_ba.weight": (8, 8),
+                    "ssm_conv1d.weight": (16, 4), "ssm_dt.bias": (4,), "ssm_a": -np.arange(1, 5, dtype=np.float32),
+                    "ssm_norm.weight": (2,), "ssm_out.weight": (8, 8)}
+QWEN3NEXT_FULL = {**_NORMS_MLP, "attn_q.weight": (16, 8), "attn_k.weight": (4, 8), "attn_v.weight": (4, 8),
+                  "attn_output.weight": (8, 8), "attn_q_norm.weight": (4,), "attn_k_norm.weight": (4,)}
+_SSM = {"ssm__conv_kernel": 4, "ssm__state_size": 2, "ssm__group_count": 2, "ssm__time_step_rank": 4,
+        "ssm__inner_size": 8, "rope__dimension_count": 2}
+
+
+def test_a_hybrid_file_without_recurrent_layers_takes_every_nth_layer_full(tmp_path):
+    """Without attention.recurrent_layers, llama.cpp's full_attention_interval; the tensors in the
+    forms the family's layers take (raw: the file's)."""
+    path = _write(tmp_path / "n.gguf", "qwen3next", [QWEN3NEXT_LINEAR, QWEN3NEXT_FULL], num_layers=2,
+                  full_attention_interval=2, **_SSM)
+    ckpt = load_gguf(path)
+    cfg = ckpt.hf_config
+    assert cfg["layer_types"] == ["linear_attention", "full_attention"]
+    assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+            cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"], cfg["partial_rotary_factor"]) == (2, 4, 2, 2, 4, 0.5)
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+    t = {n.removeprefix("model.layers."): w for n, w in ckpt.tensors.items()}
+    torch.testing.assert_close(t["0.linear_attn.A_log"], torch.log(torch.arange(1.0, 5.0)))
+    assert torch.equal(t["0.linear_attn.conv1d.weight"], raw["blk.0.ssm_conv1d.weight"].unsqueeze(1))
+    # per key head: its value heads' b, then their a
+    assert torch.equal(t["0.linear_attn.in_proj_b.weight"], raw["blk.0.ssm_ba.weight"][[0, 1, 4, 5]])
+    assert torch.equal(t["0.linear_attn.in_proj_a.weight"], raw["blk.0.ssm_ba.weight"][[2, 3, 6, 7]])
+    # per head: its query, then its gate
+    assert torch.equal(t["1.self_attn.q_proj.weight"], raw["blk.1.attn_q.weight"][[0, 1, 2, 3, 8, 9, 10, 11]])
+    assert torch.equal(t["1.self_attn.gate_proj.weight"], raw["blk.1.attn_q.weight"][[4, 5, 6, 7, 12, 13, 14, 15]])
+    assert "1.linear_attn.in_proj_qkv.weight" not in t and "0.self_attn.q_proj.weight" not in t
+
+
+def test_a_hybrid_layer_with_the_other_kinds_tensors_is_refused(tmp_path):
+    path = _write(tmp_path / "n.gguf", "qwen3next", [QWEN3NEXT_FULL, QWEN3NEXT_FULL], num_layers=2,
+                  full_attention_interval=2, **_SSM)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'blk\.0\.attn_q\.weight' for a qwen3next"):
+        load_gguf(path)

@@ -10,12 +10,15 @@ stored in the file, and tokenizer / generation settings.
 
 Architectures (`general.architecture`, as llama.cpp's convert_hf_to_gguf.py writes them): llama
 (Mistral and SmolLM2 files are llama too; with experts, Mixtral), qwen2, qwen3, qwen3moe, smollm3,
-granite, olmo2, olmoe, phi3, gemma2, gemma3, glm4 and gpt-oss, one row each of `_ARCHITECTURES`: the
+granite, olmo2, olmoe, phi3, gemma2, gemma3, glm4, gpt-oss, and the hybrids qwen35, qwen35moe (Qwen3.5
+dense and MoE) and qwen3next, one row each of `_ARCHITECTURES`: the
 tensors a layer has, how the file's tensors differ from the HF checkpoint's, and the metadata keys
 that become HF config keys. Experts are stacked tensors [E, n, k] per projection (`ffn_*_exps`, or a
 merged `ffn_gate_up_exps` cut per expert), loaded as the MoE block's [E * n, k] (layers/moe.py),
-packed where their type is; a layer with a router (`ffn_gate_inp`) routes to them. What llama.cpp's
-converter does to them that matters here:
+packed where their type is; a layer with a router (`ffn_gate_inp`) routes to them, beside a shared
+expert where the layer has one (`ffn_*_shexp`, its gate `ffn_gate_inp_shexp`). Blocks past
+block_count - nextn_predict_layers are multi-token prediction layers (Qwen3.5's MTP), not loaded.
+What llama.cpp's converter does to them that matters here:
 
 * Q/K rows. llama.cpp rotates adjacent pairs of a head's dims (rope type NORM) for llama, smollm3,
   granite and glm4, and the two halves of the head (NEOX, HF's rotate_half) for the others. The
@@ -40,6 +43,19 @@ converter does to them that matters here:
 * Phi-3's LongRoPE factors are tensors (rope_factors_short/long), its original context and
   attention factor metadata keys. Gemma 3 files drop the embedding rows past the tokenizer's real
   vocabulary: the model's vocab_size is the embedding's row count, not the token list's length.
+* The hybrids (models/families/qwen3_5.py, qwen3_next.py): `attention.recurrent_layers` (else every
+  `full_attention_interval`-th layer full) says which layers are Gated DeltaNet ones, whose tensors
+  (attn_qkv, attn_gate, ssm_*) become linear_attn's; the ssm.* keys give its heads (group_count key
+  heads of state_size dims, time_step_rank value heads sharing inner_size). The file stores A_log as
+  ssm_a = -exp(A_log) and the convolution [C, K] squeezed: undone. Its norms carry 1 + w already,
+  the gated norm (ssm_norm) w, as the family's model takes them. attn_q keeps each head's query and
+  output gate together: cut into q_proj and gate_proj; Qwen3-Next's ssm_ba holds each key head's b
+  then a: cut into in_proj_b and in_proj_a. Qwen3.5's converter tiles the value heads over the key
+  heads (llama.cpp repeats q/k whole); HF groups them: the rows of qkv's values, z, b, a, the conv
+  channels, dt and A, and out_proj's columns, are put back in HF's order. Packed rows move freely;
+  packed columns only as whole blocks and scale groups, so out_proj stays packed for value heads of
+  a multiple of 32 dims (the real models': 128) and is dequantized for narrower ones. The M-RoPE
+  sections Qwen3.5 files carry rotate text positions as plain RoPE does: not read.
 
 Choices worth knowing:
 
@@ -61,6 +77,7 @@ Choices worth knowing:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -75,7 +92,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import Tokenizer
 
-from twostep.models.config import FULL, SLIDING
+from twostep.models.config import FULL, LINEAR, SLIDING
 from twostep.models.families.glm4 import pairs_to_halves
 from twostep.models.family import split_rows
 from twostep.models.gguf_file import REQUIRED, GGUFFile
@@ -83,7 +100,7 @@ from twostep.models.gguf_file import metadata_field as _field
 from twostep.models.gguf_tokenizer import build_tokenizer
 from twostep.models.registry import gguf_families
 from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
-from twostep.quantization.packed import QuantizedWeight
+from twostep.quantization.packed import BLOCK, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +141,30 @@ _BLOCK_TENSORS = {
     "ffn_down_exps": "mlp.experts.down_proj",
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",     # merged by some converters: cut per expert
     "attn_sinks": "self_attn.sinks",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",    # the shared expert beside the routed ones
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",     # [1, H]: its output's sigmoid gate
 }
+# Parameters of a module rather than a module's weight or bias: named without the kind.
+_PARAMETERS = ("self_attn.sinks", "linear_attn.dt_bias", "linear_attn.A_log")
 # Fused HF modules -> the projections they stack, in row order.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj"),    # expert by expert
+    # Qwen3.5 / Qwen3-Next: q_proj's rows hold each head's query then its output gate (head by head);
+    # the converter's --fuse-qkv stacks those with k and v
+    "self_attn.q_gate_proj": ("self_attn.q_proj", "self_attn.gate_proj"),
+    "self_attn.q_gate_kv_proj": ("self_attn.q_gate_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    # Qwen3-Next's in_proj_ba: each key head's value heads' b, then their a (key head by key head)
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
 }
-_BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Fused modules whose parts alternate in groups (config key of the group count), not one after the other.
+_GROUPS = {"mlp.experts.gate_up_proj": "num_experts", "self_attn.q_gate_proj": "num_attention_heads",
+           "linear_attn.in_proj_ba": "linear_num_key_heads"}
+_BLOCK_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")    # ssm_a: no kind
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ATTENTION_BIAS = re.compile(r"blk\.\d+\.attn_(q|qkv)\.bias")
 
@@ -168,6 +201,11 @@ class _Architecture:
     derive: Callable[[Callable[..., Any], dict], dict] | None = None
     moe: tuple[str, ...] = ()           # a MoE layer's tensors besides the router's and experts' weights
     renormalise: bool = True            # llama.cpp renormalises the chosen experts' weights (not OLMoE's)
+    # hybrids: a linear-attention layer's tensors (layer_types LINEAR) and its block tensor -> HF
+    # module (over `names`: attn_qkv is the linear attention's in those layers, attention's in the others)
+    linear_layer: tuple[str, ...] = ()
+    linear_names: Mapping[str, str] = field(default_factory=dict)
+    tiled_value_heads: bool = False     # Qwen3.5's value heads tiled over the key heads (undone)
 
 
 def _sliding_layers(pattern: int | list, num_layers: int) -> list[bool]:
@@ -218,6 +256,30 @@ def _gpt_oss(meta: Callable[..., Any], cfg: dict) -> dict:
     return {"rope_scaling": scaling, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
 
+def _hybrid(meta: Callable[..., Any], cfg: dict) -> dict:
+    """Qwen3.5 / Qwen3-Next: the linear-attention layers (attention.recurrent_layers, else all but every
+    full_attention_interval-th) and their shape from llama.cpp's ssm.* keys: group_count key heads of
+    state_size dims, time_step_rank value heads sharing inner_size. RoPE's dimension_sections (M-RoPE)
+    are the same rotation as a text model's for text positions: not read."""
+    layers = cfg["num_hidden_layers"]
+    recurrent = meta("attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = meta("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    if len(recurrent) < layers:
+        raise ValueError(f"attention.recurrent_layers has {len(recurrent)} entries for {layers} layers")
+    key_heads, value_heads, inner = meta("ssm.group_count"), meta("ssm.time_step_rank"), meta("ssm.inner_size")
+    if not key_heads or value_heads % key_heads or inner % value_heads:
+        raise ValueError(f"{value_heads} value heads of {inner} dims in all cannot share {key_heads} key heads")
+    out = {"layer_types": [LINEAR if r else FULL for r in recurrent[:layers]],
+           "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+           "linear_key_head_dim": meta("ssm.state_size"), "linear_value_head_dim": inner // value_heads,
+           "linear_conv_kernel_dim": meta("ssm.conv_kernel")}
+    if cfg.get("num_experts"):      # llama.cpp's default: the dense MLP's size
+        out["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", cfg["intermediate_size"])
+    return out
+
+
 def _glm4(meta: Callable[..., Any], cfg: dict) -> dict:
     if any(meta("rope.dimension_sections", [])):
         raise ValueError("M-RoPE sections (a GLM-4 vision model) are not supported; supported: GLM-4 text models")
@@ -225,6 +287,25 @@ def _glm4(meta: Callable[..., Any], cfg: dict) -> dict:
 
 
 _PERMUTED = {"optional": _ALL_BIAS, "rotary_rows": "permuted"}     # llama.cpp's converter's LlamaModel
+# Qwen3.5 / Qwen3-Next: gated full attention in some layers, Gated DeltaNet in the others
+_GATED_ATTENTION = _weights(*_ATTENTION, "self_attn.gate_proj", *_QK_NORMS)
+_GATED_DELTANET = _weights(*(f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                           "conv1d", "norm", "out_proj"))) + ("linear_attn.dt_bias", "linear_attn.A_log")
+_HYBRID_NORMS = _weights("input_layernorm", "post_attention_layernorm")
+_SHARED_EXPERT = _weights("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+                          "mlp.shared_expert_gate")
+_HYBRID = {
+    "layer": _GATED_ATTENTION + _weights(*_MLP) + _HYBRID_NORMS,
+    "linear_layer": _GATED_DELTANET + _weights(*_MLP) + _HYBRID_NORMS,
+    # q_proj's rows: each head's query, then its gate
+    "names": {"attn_q": "self_attn.q_gate_proj", "attn_qkv": "self_attn.q_gate_kv_proj"},
+    "linear_names": {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                     "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+                     "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log", "ssm_norm": "linear_attn.norm",
+                     "ssm_out": "linear_attn.out_proj"},
+    "moe": _SHARED_EXPERT, "partial_rotary": True, "derive": _hybrid,
+}
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm"}
 _GELU = {"hidden_act": "gelu_pytorch_tanh"}
 _ARCHITECTURES = {
@@ -256,6 +337,10 @@ _ARCHITECTURES = {
         metadata={"attention.sliding_window": "sliding_window"}, derive=_gpt_oss),
     "glm4": _Architecture(_SANDWICH, optional=_QKV_BIAS, rotary_rows="pairs", partial_rotary=True,
                           names={**_GEMMA_NORMS, "ffn_up": "mlp.gate_up_proj"}, derive=_glm4),
+    "qwen35": _Architecture(**_HYBRID, tiled_value_heads=True),
+    "qwen35moe": _Architecture(**_HYBRID, tiled_value_heads=True,
+                               defaults={"architectures": ["Qwen3_5MoeForCausalLM"]}),
+    "qwen3next": _Architecture(**_HYBRID),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -366,12 +451,14 @@ def _hf_config(reader: GGUFFile, path: str, special: dict[str, int | None]) -> d
                          f"{' or an even part of it' if spec.partial_rotary else ''}")
     embedding = _tensor_info(reader, "token_embd.weight", path)
     family = gguf_families()[arch]
+    experts_size = meta("expert_feed_forward_length", None)     # a MoE file may name no dense MLP size
     config = {
         "architectures": [family.hf_architectures[0]],
         "model_type": family.name,
         "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        "intermediate_size": meta("feed_forward_length", REQUIRED if experts_size is None else experts_size),
+        # the blocks past these are multi-token prediction's (llama.cpp's NextN layers): not loaded
+        "num_hidden_layers": meta("block_count") - meta("nextn_predict_layers", 0),
         "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": head_dim,
@@ -484,51 +571,80 @@ def _tensor_info(reader: GGUFFile, name: str, path: str, required: bool = True):
     return None
 
 
-def _hf_names(gguf_name: str, path: str, arch: str) -> list[str]:
-    """The HF tensors a GGUF tensor holds: one, or the parts of a fused projection in row order."""
+def _is_linear_layer(config: dict, layer: int) -> bool:
+    types = config.get("layer_types") or ()
+    return layer < len(types) and types[layer] == LINEAR
+
+
+def _hf_names(gguf_name: str, path: str, arch: str, config: dict) -> tuple[str, list[str]]:
+    """The HF tensor a GGUF tensor is (a fused module's, where it is fused) and the HF tensors it
+    holds: itself, or the parts of the fused projection in row order."""
     if gguf_name in _GLOBAL_TENSORS:
-        return [_GLOBAL_TENSORS[gguf_name]]
+        return _GLOBAL_TENSORS[gguf_name], [_GLOBAL_TENSORS[gguf_name]]
     spec = _ARCHITECTURES[arch]
     match = _BLOCK_TENSOR_NAME.fullmatch(gguf_name)
-    names = []
+    name, names, linear = "", [], False
     if match is not None:
         layer, part, kind = match.groups()
-        module = spec.names.get(part) or _BLOCK_TENSORS.get(part)
-        if module is not None:
-            names = [f"model.layers.{layer}.{m}.{kind}" for m in _FUSED.get(module, (module,))]
-            if module == "self_attn.sinks":      # a parameter of the attention, not a module's weight
-                names = [f"model.layers.{layer}.{module}"]
-    allowed = set(spec.layer) | set(spec.optional) | set(_weights(*_MOE)) | set(spec.moe)
-    if not names or any(name.split(".", 3)[3] not in allowed for name in names):
+        linear = _is_linear_layer(config, int(layer))
+        module = (spec.linear_names.get(part) if linear else None) or spec.names.get(part) or _BLOCK_TENSORS.get(part)
+        if module in _PARAMETERS:       # a parameter of the module, not a module's weight
+            name = f"model.layers.{layer}.{module}"
+            names = [name]
+        elif module is not None and kind is not None:
+            name = f"model.layers.{layer}.{module}.{kind}"
+            names = [f"model.layers.{layer}.{m}.{kind}" for m in _leaves(module)]
+    allowed = set(spec.linear_layer if linear else spec.layer) | set(spec.optional) | set(_weights(*_MOE)) | set(spec.moe)
+    if not names or any(n.split(".", 3)[3] not in allowed for n in names):
         # Loading around an unknown tensor would run a different model than the file describes.
         raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {arch} GGUF")
-    return names
+    return name, names
 
 
-def _projection_rows(name: str, config: dict) -> int:
-    """How many rows a projection has in a fused tensor (q, k, v, gate, up; an expert's gate, up)."""
-    module = name.split(".", 3)[3].rsplit(".", 1)[0]
+def _leaves(module: str) -> list[str]:
+    """The projections a (possibly fused, possibly twice) module holds, in row order."""
+    return [leaf for part in _FUSED[module] for leaf in _leaves(part)] if module in _FUSED else [module]
+
+
+def _projection_rows(module: str, config: dict) -> int:
+    """How many rows a projection has (q, k, v, gate, up; every expert's gate, up; b, a)."""
     if module.startswith("mlp.experts."):
-        return config["moe_intermediate_size"]
-    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"],
-             "self_attn.v_proj": config["num_key_value_heads"]}
-    return heads[module] * config["head_dim"] if module in heads else config["intermediate_size"]
+        return config["num_experts"] * config["moe_intermediate_size"]
+    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.gate_proj": config["num_attention_heads"],
+             "self_attn.q_gate_proj": 2 * config["num_attention_heads"],
+             "self_attn.k_proj": config["num_key_value_heads"], "self_attn.v_proj": config["num_key_value_heads"]}
+    if module in heads:
+        return heads[module] * config["head_dim"]
+    if module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+        return config["linear_num_value_heads"]
+    return config["intermediate_size"]
 
 
-def _unfused(weight: torch.Tensor | QuantizedWeight, names: list[str], config: dict,
-             gguf_name: str, path: str) -> list:
-    if len(names) == 1:
-        return [weight]
-    sizes = [_projection_rows(name, config) for name in names]
-    experts = config.get("num_experts", 1) if ".experts." in names[0] else 1     # each expert's parts in turn
+def _unfused(weight: torch.Tensor | QuantizedWeight, name: str, config: dict,
+             gguf_name: str, path: str) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A fused tensor's parts, (HF name, rows) in row order: one after the other, or in turns where
+    they alternate by group (_GROUPS: expert by expert, head by head); a part fused itself is cut
+    again (--fuse-qkv's q holds Qwen3.5's gate)."""
+    pieces = name.split(".", 3)
+    module, _, kind = pieces[-1].rpartition(".")
+    if len(pieces) < 4 or module not in _FUSED:
+        return [(name, weight)]
+    prefix, parts = ".".join(pieces[:3]), _FUSED[module]
+    groups = config[_GROUPS[module]] if module in _GROUPS else 1
+    sizes = [_projection_rows(part, config) for part in parts]
     rows = weight.n if isinstance(weight, QuantizedWeight) else weight.shape[0]
-    if rows != experts * sum(sizes):
+    if rows != sum(sizes) or any(size % groups for size in sizes):
         raise ValueError(f"{path}: tensor {gguf_name!r} has {rows} rows; its parts "
-                         f"{', '.join(n.rsplit('.', 2)[-2] for n in names)} have {experts * sum(sizes)}")
-    if experts == 1:
-        return split_rows(weight, sizes)
-    return [_take_rows(weight, torch.cat([torch.arange(e * sum(sizes) + sum(sizes[:i]), e * sum(sizes) + sum(sizes[:i + 1]))
-                                          for e in range(experts)])) for i in range(len(sizes))]
+                         f"{', '.join(p.rsplit('.', 1)[-1] for p in parts)} have {sum(sizes)}")
+    sizes = [size // groups for size in sizes]
+    if groups == 1:
+        cut = split_rows(weight, sizes)
+    else:
+        step, starts = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+        cut = [_take_rows(weight, torch.cat([torch.arange(g * step + start, g * step + start + size)
+                                             for g in range(groups)])) for start, size in zip(starts, sizes)]
+    return [leaf for part, rows in zip(parts, cut) for leaf in _unfused(rows, f"{prefix}.{part}.{kind}", config,
+                                                                         gguf_name, path)]
 
 
 def _take_rows(weight: torch.Tensor | QuantizedWeight, rows: torch.Tensor):
@@ -545,6 +661,76 @@ def _rotary_row_order(name: str, rows: int, arch: str, config: dict) -> torch.Te
     if kind == "pairs":
         return pairs_to_halves(rows, head_dim, int(head_dim * config.get("partial_rotary_factor", 1.0)))
     return _unpermute_rotary_rows(torch.arange(rows), rows // head_dim)
+
+
+def _untiled(key_heads: int, value_heads: int, n: int) -> torch.Tensor:
+    """Qwen3.5's files tile the value heads over the key heads (llama.cpp repeats the q/k heads
+    whole: value head j' reads key head j' % key_heads); HF groups them (value head g * r + t reads key
+    head g): the file's rows, n per head, in HF's order."""
+    return torch.arange(value_heads * n).reshape(value_heads // key_heads, key_heads, n).transpose(0, 1).reshape(-1)
+
+
+def _tiled(arch: str, config: dict) -> bool:
+    return _ARCHITECTURES[arch].tiled_value_heads and config["linear_num_key_heads"] != config["linear_num_value_heads"]
+
+
+def _value_head_rows(name: str, arch: str, config: dict) -> torch.Tensor | None:
+    """The row order that gives a value-head tensor of a tiled file (rows: values of in_proj_qkv and
+    conv1d's channels, z, b, a, dt_bias, A_log) HF's order; None: not one, or not tiled."""
+    if not _tiled(arch, config) or ".linear_attn." not in name:
+        return None
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    module = name.split(".linear_attn.")[1]
+    dv, keys = config["linear_value_head_dim"], 2 * key_heads * config["linear_key_head_dim"]
+    if module in ("in_proj_qkv.weight", "conv1d.weight"):      # q and k as they are
+        return torch.cat([torch.arange(keys), keys + _untiled(key_heads, value_heads, dv)])
+    if module == "in_proj_z.weight":
+        return _untiled(key_heads, value_heads, dv)
+    if module in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
+        return _untiled(key_heads, value_heads, 1)
+    return None
+
+
+def _untiled_columns(weight: torch.Tensor | QuantizedWeight, config: dict) -> torch.Tensor | QuantizedWeight:
+    """out_proj's columns (its input: the value heads) in HF's order. Packed, a value head moves as
+    whole 32-weight blocks and scale groups, which a head of 64 or 128 dims is; a packed matrix of
+    narrower heads (the tiny test models') cannot be reordered so: that one matrix is dequantized
+    (requantizing in HF's order would round it twice)."""
+    key_heads, value_heads, dv = (config["linear_num_key_heads"], config["linear_num_value_heads"],
+                                  config["linear_value_head_dim"])
+    if isinstance(weight, QuantizedWeight):
+        heads = _column_blocks(weight, _untiled(key_heads, value_heads, 1), dv)
+        if heads is not None:
+            return heads
+        weight = weight.dequantize()
+    return weight[:, _untiled(key_heads, value_heads, dv)]
+
+
+def _column_blocks(weight: QuantizedWeight, order: torch.Tensor, width: int) -> QuantizedWeight | None:
+    """The packed matrix's columns in runs of `width`, run order[i] at i; None where a run is not made
+    of whole blocks and scale groups. Every plane is [n, ...] row-major, block by block
+    (quantization/packed.py): a run's planes are its columns' slices of each."""
+    out = []
+    for part in weight.parts:
+        if part.panels or width % BLOCK or width % part.fmt.group or part.fmt.group > width:
+            return None
+        runs = [part.columns(int(i) * width, (int(i) + 1) * width) for i in order]
+        planes = [None if plane is None else torch.cat([run.planes()[p] for run in runs], dim=1)
+                  for p, plane in enumerate(part.planes())]
+        out.append(dataclasses.replace(part, qs=planes[0], qh=planes[1], scales=planes[2], mins=planes[3]))
+    return QuantizedWeight(tuple(out))
+
+
+def _shaped(name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """What llama.cpp's converter stores in another form: A_log as -exp(A_log), the convolution's
+    [C, 1, K] squeezed, a shared expert gate [1, H] maybe as [H]."""
+    if name.endswith("linear_attn.A_log"):
+        return torch.log(-t)
+    if name.endswith("linear_attn.conv1d.weight"):
+        return t.reshape(t.shape[0], 1, -1)
+    if name.endswith("mlp.shared_expert_gate.weight") and isinstance(t, torch.Tensor):
+        return t.reshape(1, -1)
+    return t
 
 
 def _dequantize(tensor) -> torch.Tensor:
@@ -583,28 +769,38 @@ def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:      # read into the config
             continue
-        names = _hf_names(tensor.name, path, arch)
+        if (block := _BLOCK_INDEX.match(tensor.name)) and int(block[1]) >= config["num_hidden_layers"]:
+            continue                            # a multi-token prediction layer's (NextN)
+        fused, _ = _hf_names(tensor.name, path, arch, config)
         packed = keep_quantized and tensor.tensor_type in PACKED_TYPES and len(tensor.shape) in (2, 3)
         weight = _packed(tensor, path) if packed else _dequantize(tensor)
         if "_exps.bias" in tensor.name:         # every expert's bias [E, n], as the experts' [E * n]
             weight = weight.reshape(-1)
-        for name, part in zip(names, _unfused(weight, names, config, tensor.name, path)):
-            order = _rotary_row_order(name, part.n if packed else part.shape[0], arch, config)
+        for name, part in _unfused(weight, fused, config, tensor.name, path):
+            rows = part.n if isinstance(part, QuantizedWeight) else part.shape[0]
+            order = _rotary_row_order(name, rows, arch, config)
+            if order is None:
+                order = _value_head_rows(name, arch, config)
             if order is not None:
-                part = part.rows(order) if packed else part[order]
-            tensors[name] = part if packed else part.to(dtype)
+                part = _take_rows(part, order)
+            if name.endswith("linear_attn.out_proj.weight") and _tiled(arch, config):
+                part = _untiled_columns(part, config)
+            part = _shaped(name, part)
+            tensors[name] = part if isinstance(part, QuantizedWeight) else part.to(dtype)
     _check_complete(tensors, config, path, arch)
     return tensors
 
 
 def _check_complete(tensors: dict[str, torch.Tensor], config: dict, path: str, arch: str) -> None:
     spec = _ARCHITECTURES[arch]
-    layer = spec.layer + (spec.optional if config["attention_bias"] else ())
-    moe_layer = tuple(t for t in layer if t not in _weights(*_MLP)) + _weights(*_MOE) + spec.moe
+    optional = spec.optional if config["attention_bias"] else ()
     dense = set(config.get("mlp_only_layers", ())) if config.get("num_experts") else set(range(config["num_hidden_layers"]))
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{part}" for i in range(config["num_hidden_layers"])
-                 for part in (layer if i in dense else moe_layer)}
+    for i in range(config["num_hidden_layers"]):
+        layer = (spec.linear_layer if _is_linear_layer(config, i) else spec.layer + optional)
+        if i not in dense:
+            layer = tuple(t for t in layer if t not in _weights(*_MLP)) + _weights(*_MOE) + spec.moe
+        expected |= {f"model.layers.{i}.{part}" for part in layer}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -84,4 +84,4 @@ def split_query_gate(t: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.
 
 QWEN3_5 = Family("qwen3_5", Qwen3_5ForCausalLM, qwen3_5_config,
                  ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), (), from_hf)
+                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), ("qwen35", "qwen35moe"), from_hf)

@@ -57,4 +57,4 @@ def _per_key_head(t: torch.Tensor, key_heads: int, parts: list[int]) -> list[tor
     return [p.reshape(-1, t.shape[-1]) for p in pieces]
 
 
-QWEN3_NEXT = Family("qwen3_next", Qwen3NextForCausalLM, qwen3_next_config, ("Qwen3NextForCausalLM",), (), from_hf)
+QWEN3_NEXT = Family("qwen3_next", Qwen3NextForCausalLM, qwen3_next_config, ("Qwen3NextForCausalLM",), ("qwen3next",), from_hf)
