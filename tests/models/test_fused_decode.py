@@ -30,7 +30,7 @@ def stack_or_skip(engine: LLMEngine) -> LLMEngine:
 
     if kernels.decode_step() is None:
         pytest.skip("the decode-step kernel cannot be built here (no g++ or ninja)")
-    linear = engine.model.model.layers[0].self_attn.o_proj
+    linear = engine.model.model.layers[-1].self_attn.o_proj
     if linear.method.fused(linear, kernels.decode_step(), engine.dtype) is None:
         pytest.skip(f"{linear.method.name}: no matrix-vector kernel for these weights on this CPU")
     assert engine.model.fused_decode is not None, "the kernels build, so the decode stack must be bound"
@@ -76,7 +76,7 @@ def test_a_float32_models_decode_steps_take_the_stack_on_any_cpu(tiny_model_dir,
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "phi3", "phi3-longrope",
-            "smollm3", "olmo2", "granite", "glm4"]
+            "smollm3", "olmo2", "granite", "glm4", "qwen3.5"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

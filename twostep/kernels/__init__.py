@@ -205,6 +205,7 @@ KERNELS: dict[str, Kernel] = {
                           lambda: ("-ffp-contract=off", "-fsigned-zeros")),
     "decode_step": Kernel("twostep_decode_step", ("decode_step.cpp",)),
     "linear_bf16": Kernel("twostep_linear_bf16", ("linear_bf16.cpp",)),
+    "gated_delta": Kernel("twostep_gated_delta", ("gated_delta.cpp",)),
     # the tests' builds of the quantized products: the portable one (no SIMD) everywhere, and the
     # other instruction sets' paths that this CPU can run, each in its own op namespace
     "quant_linear_portable": Kernel("twostep_quant_linear_portable", QUANT_SOURCES,
@@ -306,6 +307,12 @@ def quant_linear_other_dot():
     """The quantized products with the other step width of the small-row int8 product
     (TWOSTEP_WIDE_DOT toggled), checked by the tests on AVX512-VNNI CPUs."""
     return built("quant_linear_other_dot")
+
+
+def gated_delta():
+    """A Gated DeltaNet layer's decode step (conv, delta rule, gated RMSNorm) as one call, or None
+    when it cannot be built here."""
+    return built("gated_delta")
 
 
 def decode_step():

@@ -80,7 +80,7 @@ class PreNormLayer(DecoderLayer):
 
     def emit(self, p, first: bool) -> None:
         self.emit_normed_input(p, first)
-        self.self_attn.emit(p, H, H)
+        self.mixer.emit(p, H, H)
         if self.residual_scale is not None:
             p.scale(H, H, self.residual_scale)
         p.add_norm(H, H, self.post_attention_layernorm)
@@ -111,7 +111,7 @@ class SandwichNormLayer(DecoderLayer):
 
     def emit(self, p, first: bool) -> None:
         self.emit_normed_input(p, first)
-        self.self_attn.emit(p, H, H)
+        self.mixer.emit(p, H, H)
         p.norm(H, H, self.post_attention_layernorm)
         p.add_norm(H, H, self.pre_feedforward_layernorm)
         self.mlp.emit(p, X, H)
@@ -134,7 +134,7 @@ class PostNormLayer(DecoderLayer):
 
     def emit(self, p, first: bool) -> None:
         p.set_residual(X) if first else p.add_residual(X)
-        self.self_attn.emit(p, H, R)
+        self.mixer.emit(p, H, R)
         p.norm(H, H, self.post_attention_layernorm)
         p.add_residual(H)
         self.mlp.emit(p, X, R)

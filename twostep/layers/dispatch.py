@@ -13,6 +13,7 @@ from torch import nn
 
 from twostep.layers.custom_op import CustomOp
 from twostep.layers.embedding import Embedding
+from twostep.layers.gated_deltanet import GatedDeltaNet
 from twostep.layers.linear import Linear
 from twostep.layers.moe import ExpertLinear, Experts
 from twostep.platforms import Platform
@@ -42,6 +43,7 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
         if getattr(method, "keeps_row_major", False):
             done.append(f"1-3 row inputs: C++ matrix-vector kernel; it keeps {_row_major_bytes(model) / 2**20:,.0f} "
                         "MiB of row-major weights beside the packed ones (--no-cpu-gemv to save them)")
+    done += _bind_linear_attention(model, platform, dtype)
     switched = set()
     for m in model.modules():
         if isinstance(m, CustomOp):
@@ -50,6 +52,17 @@ def apply_platform(model: nn.Module, platform: Platform, dtype: torch.dtype) -> 
         done.append(f"{', '.join(sorted(switched))}: {platform.name} kernels")
     placement = platform.weights_placement(placed_before)
     return done + ([placement] if placement else [])
+
+
+def _bind_linear_attention(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:
+    """Gated DeltaNet layers' decodes as the platform's one call (conv, delta rule, gated norm)."""
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    kernel = platform.gated_delta_decode(dtype) if layers else None
+    if kernel is None:
+        return []
+    for m in layers:
+        m.decode_kernel = kernel
+    return [f"{len(layers)} linear-attention layers' decodes: {platform.name} kernel"]
 
 
 def _bind_quantized(model: nn.Module, platform: Platform, dtype: torch.dtype) -> list[str]:

@@ -111,6 +111,10 @@ class GatedDeltaNet(nn.Module):
                 cache.recurrent[slot].copy_(cache.recurrent[meta.slots[i]])
         return self.out_proj(out)
 
+    def emit(self, p, dst: int, src: int) -> None:
+        """forward of a decode batch as one instruction of the decode program (models/fused_decode.py)."""
+        p.linear_attention(dst, src, self)
+
     # ---- the three ways ----------------------------------------------------------------------
 
     def _decode(self, mixed, z, a, b, cache: LinearStateCache, slots: torch.Tensor) -> torch.Tensor:

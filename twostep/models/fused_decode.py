@@ -29,6 +29,7 @@ import logging
 import torch
 
 from twostep.attention.backend import HybridBackend
+from twostep.attention.linear_state import StateMetadata
 from twostep.attention.paged_decode import PagedDecode
 from twostep.platforms import Platform
 from twostep.platforms.step_kind import in_decode_batch
@@ -38,6 +39,7 @@ from twostep.platforms.step_kind import in_decode_batch
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "rotary_")
 
 ANY_ROWS = 1 << 30          # max_rows where no linear limits the rows
+_NONE = torch.empty(0)      # another kind of layer's cache, in the per-layer lists the stack takes
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class FusedDecode:
     def __init__(self, stack, max_rows: int, backend: HybridBackend, head_rows: int = 0) -> None:
         self.stack, self.max_rows, self.backend = stack, max_rows, backend
         self.head_rows = head_rows      # the most rows whose logits the stack computes (its lm_head's limit)
+        self._lists: tuple | None = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list, backend,
                  logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -60,9 +63,24 @@ class FusedDecode:
         plan = metas[0].decode
         if rows != plan.seq_lens.shape[0]:
             return None
-        return self.stack.forward(input_ids, positions, [c.values for c in kv_caches],
+        states = metas[-1] if isinstance(metas[-1], StateMetadata) else None
+        if states is not None:
+            if len(states.decodes) != rows or states.saves:
+                return None
+            metas = metas[:-1]
+        values, conv, recurrent = self._caches(kv_caches)
+        return self.stack.forward(input_ids, positions, values,
                                   [m.common.slot_mapping for m in metas], plan.rows.index, plan.query_lens,
-                                  [m.decode.tables for m in metas], plan.seq_lens, logits and rows <= self.head_rows)
+                                  [m.decode.tables for m in metas], plan.seq_lens, conv, recurrent,
+                                  None if states is None else states.decode_slots, logits and rows <= self.head_rows)
+
+    def _caches(self, layer_caches: list) -> tuple[list, list, list]:
+        """Each layer's K/V values, conv and recurrent states (another kind's: an empty tensor), the
+        same lists every step."""
+        if self._lists is None or self._lists[0] is not layer_caches:
+            self._lists = (layer_caches, *([getattr(c, name, _NONE) for c in layer_caches]
+                                           for name in ("values", "conv", "recurrent")))
+        return self._lists[1:]
 
 
 def fuse_decode(model, platform: Platform, dtype: torch.dtype, backend: HybridBackend) -> FusedDecode | None:
@@ -86,8 +104,6 @@ def _why_not_fused(model, platform: Platform, dtype: torch.dtype, backend: Hybri
         return "its kernel is not built here"
     if model.tp.world_size > 1:
         return "tensor parallelism"
-    if model.config.linear_layers or model.config.attn_output_gate:
-        return "linear-attention layers and gated attention run their own per-layer kernels"
     if not isinstance(backend.decode, PagedDecode):
         return "the attention backend is not the paged decode kernel"
     if backend.write_values is None:
@@ -163,8 +179,17 @@ class ProgramBuilder:
             QK_NORMS.index(attn.qk_norm), q_norm, k_norm, eps,
             -1 if attn.rope_kind is None else self.rope_kinds.index(attn.rope_kind),
             o.scale, o.window or 0, o.softcap or 0.0,
-            o.sinks, attn.layer, attn.kv_group,
+            o.sinks, attn.layer, attn.kv_group, attn.gate_size > 0,
             self.fused(attn.qkv_proj), self.fused(attn.o_proj))
+
+    def linear_attention(self, dst: int, src: int, layer) -> None:
+        if layer.decode_kernel is None:
+            raise NotFused("the linear-attention layers' decode kernel is not built here")
+        self.program.linear_attention(
+            dst, src, self.fused(layer.in_proj_qkv), self.fused(layer.in_proj_z), self.fused(layer.in_proj_b),
+            self.fused(layer.in_proj_a), self.fused(layer.out_proj), layer.conv1d.weight.detach().squeeze(1),
+            layer.A_log.detach(), layer.dt_bias.detach(), layer.norm.weight.detach(), layer.norm.eps,
+            layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, layer.layer)
 
 
 ACTIVATIONS = ["silu", "gelu_tanh"]         # the program's activation numbers

@@ -68,6 +68,13 @@ class Platform:
         one call (attention/kv_layer_cache.py's write_kv otherwise), or None."""
         return None
 
+    def gated_delta_decode(self, dtype: torch.dtype) -> Callable | None:
+        """fn(mixed_qkv, z, a, b, conv_state, recurrent, slots, conv_weight, A_log, dt_bias,
+        norm_weight, eps, num_k_heads, head_k_dim, head_v_dim) -> out: a Gated DeltaNet layer's decode
+        step for B sequences of one token each in one call, its conv and recurrent states updated in
+        place at the sequences' slots (platforms/cpu/gated_delta.py has the shapes), or None: PyTorch."""
+        return None
+
     def decode_step_kernel(self):
         """A module with DecoderStack and FusedLinear (twostep/kernels/csrc/decode_step.cpp) running a
         decode step's layers in one call (models/fused_decode.py), or None: layer by layer."""

@@ -48,6 +48,8 @@ using RotaryInPlace = void(Tensor, const Tensor&, const Tensor&);
 using WriteKV = void(Tensor, const Tensor&, const Tensor&, const Tensor&);
 using PagedAttention = Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, double, int64_t, double,
                               std::optional<Tensor>);
+using GatedDelta = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&,
+                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t, int64_t, int64_t);
 
 // quant/ops.cpp's planes_product: a part's product from its checked planes, not through the
 // dispatcher (read there why)
@@ -155,7 +157,19 @@ struct FusedAttention {
   OptTensor sinks;
   int64_t cache;       // which layer's K/V cache
   int64_t group;       // its KV-cache group: whose slots and block tables it takes
+  bool gated;          // Qwen3.5: o times sigmoid(the gate's rows, after q/k/v in qkv)
   std::shared_ptr<FusedLinear> qkv, o;
+};
+
+// A decode step's Gated DeltaNet layer, as layers/gated_deltanet.py's forward computes a batch of
+// decodes: its four input projections, the gated_delta_decode kernel (conv, delta rule, gated
+// RMSNorm; the layer's conv and recurrent states updated in place at the sequences' slots), out_proj.
+struct FusedLinearAttention {
+  std::shared_ptr<FusedLinear> qkv, z, b, a, out;
+  Tensor conv_weight, A_log, dt_bias, norm_weight;
+  double eps;
+  int64_t num_k_heads, head_k_dim, head_v_dim;
+  int64_t state;       // which layer's states
 };
 
 // A decode step's mixture of experts, as layers/moe.py's SparseMoE computes it: the router (a
@@ -176,7 +190,8 @@ struct FusedMoE {
 // What the stack runs: registers X (a layer's output), H (scratch) and R (the residual stream),
 // and the instructions the model's blocks emitted at load (each block's emit(), beside its
 // forward(), in layers/decoder_layer.py, layers/attention.py, layers/mlp.py, models/causal_lm.py).
-enum Op : int64_t { NORM, ADD_NORM, SET_RESIDUAL, ADD_RESIDUAL, SCALE, SCALE_BY, LINEAR, ACT, ATTENTION, MOE };
+enum Op : int64_t { NORM, ADD_NORM, SET_RESIDUAL, ADD_RESIDUAL, SCALE, SCALE_BY, LINEAR, ACT, ATTENTION, MOE,
+                    LINEAR_ATTENTION };
 enum Act : int64_t { SILU, GELU_TANH };
 constexpr int64_t kRegisters = 3;
 
@@ -197,6 +212,19 @@ class DecodeProgram {
         rotary_inplace_(find_op<RotaryInPlace>("twostep::rotary_")),
         write_kv_(find_op<WriteKV>("twostep::write_kv")),
         attention_(find_op<PagedAttention>("twostep::paged_decode_attention")) {}
+
+  // found when the model has linear-attention layers (its kernel is loaded by then)
+  void linear_attention(int64_t dst, int64_t src, std::shared_ptr<FusedLinear> qkv, std::shared_ptr<FusedLinear> z,
+                        std::shared_ptr<FusedLinear> b, std::shared_ptr<FusedLinear> a, std::shared_ptr<FusedLinear> out,
+                        Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, double eps,
+                        int64_t num_k_heads, int64_t head_k_dim, int64_t head_v_dim, int64_t state) {
+    if (!gated_delta_.has_value()) gated_delta_ = find_op<GatedDelta>("twostep::gated_delta_decode");
+    linear_attentions_.push_back({std::move(qkv), std::move(z), std::move(b), std::move(a), std::move(out),
+                                  conv_weight.contiguous(), std::move(A_log), std::move(dt_bias), std::move(norm_weight),
+                                  eps, num_k_heads, head_k_dim, head_v_dim, state});
+    push(LINEAR_ATTENTION, dst, src, static_cast<int64_t>(linear_attentions_.size()) - 1, 0.0);
+    num_states_ = std::max(num_states_, state + 1);
+  }
 
   // ---- what the blocks emit -------------------------------------------------------------
   void norm(int64_t dst, int64_t src, Tensor weight, double eps) {
@@ -222,12 +250,12 @@ class DecodeProgram {
   }
   void attention(int64_t dst, int64_t src, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary_dim,
                  int64_t qk_norm, OptTensor q_norm, OptTensor k_norm, double eps, int64_t rope, double scale,
-                 int64_t window, double softcap, OptTensor sinks, int64_t cache, int64_t group,
+                 int64_t window, double softcap, OptTensor sinks, int64_t cache, int64_t group, bool gated,
                  std::shared_ptr<FusedLinear> qkv, std::shared_ptr<FusedLinear> o) {
     TORCH_CHECK(rope < static_cast<int64_t>(cos_tables_.size()), "rotary table ", rope, " not given (set_inputs)");
     TORCH_CHECK(qk_norm == 0 || (q_norm.has_value() && k_norm.has_value()), "q/k norms without their weights");
     attentions_.push_back({heads, kv_heads, dim, rotary_dim, qk_norm, std::move(q_norm), std::move(k_norm), eps, rope,
-                           scale, softcap, window, std::move(sinks), cache, group, std::move(qkv), std::move(o)});
+                           scale, softcap, window, std::move(sinks), cache, group, gated, std::move(qkv), std::move(o)});
     push(ATTENTION, dst, src, static_cast<int64_t>(attentions_.size()) - 1, 0.0);
     num_caches_ = std::max(num_caches_, cache + 1);
     num_groups_ = std::max(num_groups_, group + 1);
@@ -273,23 +301,29 @@ class DecodeProgram {
 
   // ids, positions [t]: the token ids and positions of t sequences decoding one token each;
   // kv_values: each layer's cache values; slots [t] and tables [t, blocks] of each KV-cache group;
-  // q_index [t, 1], q_lens, seq_lens: the rest of the paged decode plan.
+  // q_index [t, 1], q_lens, seq_lens: the rest of the paged decode plan; conv_states, recurrent_states:
+  // each linear-attention layer's states (another layer's: any tensor), state_slots [t]: each
+  // sequence's state slot.
   // -> (X after the program: the final norm's output, and with `logits` float32 logits of every
   // row, as the model's forward and compute_logits return them; else none).
   std::tuple<Tensor, OptTensor> forward(const Tensor& ids, const Tensor& positions,
                                         const std::vector<Tensor>& kv_values, const std::vector<Tensor>& slots,
                                         const Tensor& q_index, const Tensor& q_lens,
                                         const std::vector<Tensor>& tables, const Tensor& seq_lens,
-                                        bool logits) const {
+                                        const std::vector<Tensor>& conv_states, const std::vector<Tensor>& recurrent_states,
+                                        const OptTensor& state_slots, bool logits) const {
     RECORD_FUNCTION("twostep::decode_layers", c10::ArrayRef<c10::IValue>({}));
     TORCH_CHECK(static_cast<int64_t>(kv_values.size()) >= num_caches_, "one cache per layer: ", kv_values.size(),
                 " for ", num_caches_);
     TORCH_CHECK(static_cast<int64_t>(slots.size()) >= num_groups_ && tables.size() == slots.size(),
                 "slots and tables for each of the ", num_groups_, " KV-cache groups");
     TORCH_CHECK(inputs_set_, "the stack has no inputs (set_inputs)");
+    TORCH_CHECK(num_states_ == 0 || (static_cast<int64_t>(conv_states.size()) >= num_states_ &&
+                                     recurrent_states.size() == conv_states.size() && state_slots.has_value()),
+                "linear-attention layers: their states and the sequences' slots");
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "ids, positions: [t]");
     at::NoGradGuard no_grad;
-    Step step{{}, {}, slots, q_index, q_lens, tables, seq_lens, kv_values};
+    Step step{{}, {}, slots, q_index, q_lens, tables, seq_lens, kv_values, conv_states, recurrent_states, state_slots};
     for (size_t i = 0; i < cos_tables_.size(); ++i) {
       step.cos.push_back(cos_tables_[i].index_select(0, positions));
       step.sin.push_back(sin_tables_[i].index_select(0, positions));
@@ -309,6 +343,9 @@ class DecodeProgram {
     const std::vector<Tensor>& tables;
     const Tensor& seq_lens;
     const std::vector<Tensor>& kv;
+    const std::vector<Tensor>& conv_states;
+    const std::vector<Tensor>& recurrent_states;
+    const OptTensor& state_slots;
   };
 
   template <typename T>
@@ -335,7 +372,15 @@ class DecodeProgram {
       case ACT: r[in.dst] = activation(r[in.src], in.index); break;
       case ATTENTION: r[in.dst] = run_attention(attentions_[in.index], r[in.src], step); break;
       case MOE: r[in.dst] = run_moe(moes_[in.index], r[in.src]); break;
+      case LINEAR_ATTENTION: r[in.dst] = run_linear_attention(linear_attentions_[in.index], r[in.src], step); break;
     }
+  }
+
+  Tensor run_linear_attention(const FusedLinearAttention& l, const Tensor& h, const Step& step) const {
+    const Tensor o = gated_delta_->call((*l.qkv)(h), (*l.z)(h), (*l.a)(h), (*l.b)(h), step.conv_states[l.state],
+                                        step.recurrent_states[l.state], *step.state_slots, l.conv_weight, l.A_log,
+                                        l.dt_bias, l.norm_weight, l.eps, l.num_k_heads, l.head_k_dim, l.head_v_dim);
+    return (*l.out)(o);
   }
 
   Tensor run_moe(const FusedMoE& m, const Tensor& h) const {
@@ -421,7 +466,8 @@ class DecodeProgram {
     // in q's dtype both ways (the kernel reads 16-bit rows into float32 and writes its output back rounded)
     const Tensor o = attention_.call(q.contiguous(), step.q_index, step.q_lens, kv, step.tables[a.group], step.seq_lens,
                                      a.scale, a.window, a.softcap, a.sinks);
-    return (*a.o)(o.view({t, q_size}));
+    if (!a.gated) return (*a.o)(o.view({t, q_size}));
+    return (*a.o)(o.view({t, q_size}) * at::sigmoid(qkv.narrow(1, q_size + 2 * kv_size, q_size)));
   }
 
   std::vector<Instruction> program_;
@@ -429,6 +475,9 @@ class DecodeProgram {
   std::vector<std::shared_ptr<FusedLinear>> linears_;
   std::vector<FusedAttention> attentions_;
   std::vector<FusedMoE> moes_;
+  std::vector<FusedLinearAttention> linear_attentions_;
+  int64_t num_states_ = 0;
+  std::optional<c10::TypedOperatorHandle<GatedDelta>> gated_delta_;
   int64_t num_caches_ = 0;
   int64_t num_groups_ = 1;
   std::shared_ptr<FusedLinear> lm_head_;
@@ -469,6 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("act", &DecodeProgram::act, "0: SiLU-and-mul, 1: GELU-tanh-and-mul")
       .def("attention", &DecodeProgram::attention)
       .def("moe", &DecodeProgram::moe, "a mixture of experts: the router and the experts kernel")
+      .def("linear_attention", &DecodeProgram::linear_attention, "a Gated DeltaNet layer: projections, the kernel, out_proj")
       .def("num_instructions", &DecodeProgram::num_instructions)
       .def("set_head", &DecodeProgram::set_head, "the lm_head (None: no logits here)")
       .def("has_head", &DecodeProgram::has_head)

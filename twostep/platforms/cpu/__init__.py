@@ -2,7 +2,8 @@
 linears with a matrix-vector kernel for 1-3 rows (linear.py), a float32 model's bf16-valued weights
 kept in bf16 (bf16_weights.py), quantized weights read packed
 (quant_linear.py), RMSNorm, rotary, SiLU-and-multiply and the K/V cache write
-as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py), and a
+as one C++ call each (elementwise.py), paged decode attention in C++ (paged_attention.py), a Gated
+DeltaNet layer's decode step in one C++ call (gated_delta.py), and a
 decode step's layers composed of those in one C++ call (kernels/csrc/decode_step.cpp). Each only where its
 kernel builds and runs on this CPU (twostep/kernels builds them on first use)."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from twostep.config.engine import EngineConfig
 from twostep.platforms.cpu.bf16_weights import Bf16WeightsLinearMethod
 from twostep.platforms.cpu.elementwise import elementwise_op
 from twostep.platforms.cpu.experts import QuantizedExperts
+from twostep.platforms.cpu.gated_delta import gated_delta_decode
 from twostep.platforms.cpu.huge_pages import HugePageArena, give_back_freed_memory, thp_setting
 from twostep.platforms.cpu.linear import PackedLinearMethod, can_prepack
 from twostep.platforms.cpu.paged_attention import paged_decode_attention
@@ -101,6 +103,9 @@ class CpuPlatform(Platform):
         if kernel is None or quantized_kv or dtype not in (torch.float32, torch.bfloat16):
             return None
         return kernel.write_kv
+
+    def gated_delta_decode(self, dtype: torch.dtype) -> Callable | None:
+        return gated_delta_decode(kernels.gated_delta(), dtype)
 
     def decode_step_kernel(self):
         return kernels.decode_step()
