@@ -146,12 +146,13 @@ def test_the_decode_stack_runs_quantized_weights_as_the_layers_do(tiny_model_dir
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss", "olmoe", "qwen2-moe", "qwen3.5-moe", "qwen3-next"])
 def test_the_decode_stack_runs_quantized_experts_as_the_layers_do(tiny_model_dir, arch, dtype, quantization):
     """The router and the experts kernel (int8 activations where they apply) as one instruction:
     the same tokens, bit for bit, as the layers' SparseMoE."""
     engine = stack_or_skip(make(tiny_model_dir(arch), dtype=dtype, quantization=quantization))
-    assert "quantized experts" in engine.model.model.layers[0].mlp.experts.method.name
+    moe = next(layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
+    assert "quantized experts" in moe.experts.method.name
     counted = CountedStack(engine)
     fused = outputs(engine)
     assert counted.taken > 0

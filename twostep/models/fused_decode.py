@@ -160,14 +160,16 @@ class ProgramBuilder:
 
     def moe(self, dst: int, src: int, moe) -> None:
         experts = moe.experts
-        if moe.shared_expert is not None:
-            raise NotFused("a shared expert (Qwen2-MoE) has no decode-program instruction yet")
         fused = getattr(experts.method, "fused", None)
         args = None if fused is None else fused(experts, self.kernel)
         if args is None:
             raise NotFused(f"{experts.method.name} experts have no kernel the program calls")
         self.program.moe(dst, src, self.fused(moe.gate), moe.top_k, moe.router == "topk_softmax", moe.renormalise,
                          *args)
+        shared = moe.shared_expert
+        if shared is not None:
+            self.program.moe_shared(self.fused(shared.gate_up_proj), self.fused(shared.down_proj),
+                                    self.fused(moe.shared_expert_gate), ACTIVATIONS.index(shared.act_name))
 
     def attention(self, dst: int, src: int, attn) -> None:
         o = attn.options

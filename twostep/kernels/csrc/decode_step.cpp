@@ -185,6 +185,9 @@ struct FusedMoE {
   double alpha, limit;
   OptTensor gate_bias, up_bias, down_bias;
   int64_t int8_rows;       // from this many rows the int8 products; 0: never
+  // Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next: an expert every token takes, times sigmoid(its gate); none: null
+  std::shared_ptr<FusedLinear> shared_gate_up, shared_down, shared_gate;
+  int64_t shared_act = 0;
 };
 
 // What the stack runs: registers X (a layer's output), H (scratch) and R (the residual stream),
@@ -270,6 +273,15 @@ class DecodeProgram {
                      std::move(gate), std::move(up), std::move(down), num_experts, act, alpha, limit,
                      std::move(gate_bias), std::move(up_bias), std::move(down_bias), int8_rows});
     push(MOE, dst, src, static_cast<int64_t>(moes_.size()) - 1, 0.0);
+  }
+
+  // the last mixture of experts' shared expert: gate_up, the activation, down, and its gate
+  void moe_shared(std::shared_ptr<FusedLinear> gate_up, std::shared_ptr<FusedLinear> down,
+                  std::shared_ptr<FusedLinear> gate, int64_t act) {
+    TORCH_CHECK(!moes_.empty() && !program_.empty() && program_.back().op == MOE, "a shared expert follows its moe()");
+    FusedMoE& m = moes_.back();
+    m.shared_gate_up = std::move(gate_up), m.shared_down = std::move(down), m.shared_gate = std::move(gate);
+    m.shared_act = act;
   }
 
   int64_t num_instructions() const { return static_cast<int64_t>(program_.size()); }
@@ -399,7 +411,9 @@ class DecodeProgram {
     const bool int8 = m.int8_rows > 0 && x.size(0) >= m.int8_rows;
     m.experts(x, ids.contiguous(), weights.contiguous(), m.gate, m.up, m.down, m.num_experts, m.act, m.alpha, m.limit,
               m.gate_bias, m.up_bias, m.down_bias, int8, false, out);
-    return out;
+    if (m.shared_down == nullptr) return out;
+    const Tensor gate = at::sigmoid((*m.shared_gate)(h));
+    return out + gate * (*m.shared_down)(activation((*m.shared_gate_up)(h), m.shared_act));
   }
 
   // layers/activation.py: silu_and_mul through its op, GELU-tanh as its native torch ops
@@ -518,6 +532,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("act", &DecodeProgram::act, "0: SiLU-and-mul, 1: GELU-tanh-and-mul")
       .def("attention", &DecodeProgram::attention)
       .def("moe", &DecodeProgram::moe, "a mixture of experts: the router and the experts kernel")
+      .def("moe_shared", &DecodeProgram::moe_shared, "the last moe's shared expert and its sigmoid gate")
       .def("linear_attention", &DecodeProgram::linear_attention, "a Gated DeltaNet layer: projections, the kernel, out_proj")
       .def("num_instructions", &DecodeProgram::num_instructions)
       .def("set_head", &DecodeProgram::set_head, "the lm_head (None: no logits here)")
