@@ -90,8 +90,9 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch's intra-op threads on CPU (default: all cores)")
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None, 'speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "path", '
-        '"num_speculative_tokens": 4}\' (the --speculative-* flags override its keys)',
+        '"prompt_lookup_max": 4}\', \'{"method": "draft_model", "model": "path", '
+        '"num_speculative_tokens": 4}\' or \'{"method": "mtp", "num_speculative_tokens": 2}\' (a Qwen3.5 / '
+        'Qwen3-Next checkpoint\'s own multi-token-prediction layer) (the --speculative-* flags override its keys)',
         metavar="JSON", group="speculative decoding")
     gpu_memory_utilization: float | None = option(
         None, "vLLM's: the fraction of the device's memory (CPU: the machine's) for the weights and the KV "

@@ -1,7 +1,8 @@
-"""`--speculative-config`: vLLM's JSON keys for the two methods twostep implements.
+"""`--speculative-config`: vLLM's JSON keys for the three methods twostep implements.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "path/or/hub-id", "num_speculative_tokens": 4, "dtype": "auto"}
+    {"method": "mtp", "num_speculative_tokens": 2}    # the target checkpoint's own MTP layer (Qwen3.5, Qwen3-Next)
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from twostep.config.options import Option, option
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 _GROUP = "speculative decoding"
@@ -20,7 +21,10 @@ _GROUP = "speculative decoding"
 class SpeculativeConfig:
     """Speculative decoding (--speculative-config's keys; each flag overrides its key)."""
 
-    method: str = field(metadata={"option": Option("short for the JSON's method", flag="--speculative-method",
+    method: str = field(metadata={"option": Option("short for the JSON's method: ngram (prompt lookup), draft_model "
+                                                   "(a smaller model), mtp (the target checkpoint's own "
+                                                   "multi-token-prediction layer: Qwen3.5, Qwen3.5-MoE, Qwen3-Next "
+                                                   "checkpoints that ship mtp.* weights)", flag="--speculative-method",
                                                    choices=METHODS, overlay=True, group=_GROUP)})
     num_speculative_tokens: int = option(4, "drafts per step (k)", overlay=True, group=_GROUP)
     prompt_lookup_max: int = option(4, "ngram: the longest suffix n-gram looked up", overlay=True, group=_GROUP)
@@ -42,6 +46,8 @@ class SpeculativeConfig:
                 raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
         if self.method == "draft_model" and not self.model:
             raise ValueError('method "draft_model" needs "model": the draft model to load')
+        if self.method == "mtp" and self.model:
+            raise ValueError('method "mtp" drafts with the target checkpoint\'s own MTP layer: it takes no "model"')
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"draft dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
 
@@ -63,6 +69,6 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
         if "method" not in value:   # as vLLM: a model alone means a draft model
             if "model" not in value:
-                raise ValueError('speculative config needs "method" ("ngram" or "draft_model")')
+                raise ValueError('speculative config needs "method" ("ngram", "draft_model" or "mtp")')
             value = {**value, "method": "draft_model"}
         return cls(**value)

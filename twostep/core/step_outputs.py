@@ -88,6 +88,10 @@ class StepResult:
     logprobs: list[PositionLogprobs | None] | None = None  # one per token when asked for
     prompt_logprobs: list[PositionLogprobs] | None = None
     num_accepted: int = 0                        # drafts the target accepted (the rest roll back)
+    # the target's final hidden states (after its final norm) of the tokens the step computed and
+    # kept: its known tokens, then the accepted drafts, [n, hidden]; a view of the step's, and only
+    # where the runner keeps them (keep_hidden: MTP speculation drafts from them)
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ import torch
 from twostep.config import EngineConfig
 from twostep.core.execution.model_builder import CacheSpec, ModelSpec, build_model_instance
 from twostep.core.scheduling.scheduler_output import SchedulerOutput
-from twostep.core.scheduling.proposer import Proposer
+from twostep.core.step_outputs import ModelRunnerOutput
+from twostep.core.scheduling.proposer import HiddenStateProposer, Proposer
 from twostep.core.scheduling.scheduler import Scheduler
 from twostep.core.execution.tp_group import TPGroup, WorkerSpec, cores_for, default_init_method, launched_rank
 from twostep.distributed.parallel import TensorParallel
@@ -84,6 +85,9 @@ class LLMEngine:
                                    config.scheduling_policy, self.kv_connector)
         self.proposer: Proposer | None = (make_proposer(config, t, self.platform, sampler)
                                           if config.speculative_config else None)
+        # an MTP proposer reads the target's final hidden states of every step: the runner keeps them
+        self._observer = self.proposer if isinstance(self.proposer, HiddenStateProposer) else None
+        t.runner.keep_hidden = self._observer is not None
         self.eos_token_ids = _eos_ids(self.tokenizer, t.config, t.path)
         limits = ModelLimits(t.config.vocab_size, self.max_model_len,
                              self.scheduler.kv.sequence_capacity(config.max_num_batched_tokens),
@@ -142,17 +146,20 @@ class LLMEngine:
             self.scheduler.finish_requests([request_id], "stop", stop_string)
         self._forget_released()
         if not scheduler_output.is_empty:
-            self._propose()
+            self._propose(scheduler_output, runner_output)
         self._trace(start, scheduler_output)
         outputs, self._pending = self._pending + processed.outputs, []
         if scheduler_output.is_empty and self.scheduler.loading and not outputs:
             self.kv_connector.wait(0.005)     # only remote loads in flight: do not spin
         return outputs
 
-    def _propose(self) -> None:
-        """Drafts for every request whose next step is a decode; the next step verifies them."""
+    def _propose(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Drafts for every request whose next step is a decode; the next step verifies them. A
+        proposer that drafts from the target's hidden states sees every step's first."""
         if self.proposer is None:
             return
+        if self._observer is not None:
+            self._observer.observe(scheduler_output.scheduled, runner_output.results)
         candidates = self.scheduler.draft_candidates(self.config.speculative_config.num_speculative_tokens)
         if candidates:
             requests, ks = map(list, zip(*candidates))

@@ -26,6 +26,10 @@ class Family:
     from_hf: Callable[[Tensors, ModelConfig], Tensors] | None = None
     # what a checkpoint may carry that the model does not use (vision towers of a multimodal one)
     ignored: tuple[str, ...] = field(default_factory=tuple)
+    # the checkpoint's multi-token-prediction layer (mtp.* tensors, which the target does not load)
+    # -> the names and forms models/mtp.py loads (model.layers.0.*, model.fc, ...; the config is the
+    # layer's own, models/mtp.py's mtp_config); None: the family has no such layer
+    mtp_from_hf: Callable[[Tensors, ModelConfig], Tensors] | None = None
 
 
 def add_one_to_norms(tensors: Tensors, names: tuple[str, ...]) -> Tensors:

@@ -1,4 +1,5 @@
-"""The proposer a speculative config asks for; both implement core.proposer.Proposer."""
+"""The proposer a speculative config asks for; each implements core.proposer.Proposer (the MTP one
+HiddenStateProposer: it drafts from the target's hidden states)."""
 from __future__ import annotations
 
 from twostep.config import EngineConfig
@@ -7,6 +8,7 @@ from twostep.core.scheduling.proposer import Proposer
 from twostep.platforms import Platform
 from twostep.sample.sampler import Sampler
 from twostep.spec_decode.draft_model import DraftModelProposer
+from twostep.spec_decode.mtp import MTPProposer
 from twostep.spec_decode.ngram import NgramProposer
 
 
@@ -15,4 +17,6 @@ def make_proposer(config: EngineConfig, target: ModelInstance, platform: Platfor
     spec = config.speculative_config
     if spec.method == "ngram":
         return NgramProposer(spec)
+    if spec.method == "mtp":
+        return MTPProposer(spec, config, target, platform, sampler)
     return DraftModelProposer(spec, config, target, platform, sampler)

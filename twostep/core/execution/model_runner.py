@@ -86,6 +86,9 @@ class ModelRunner:
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler)
         self.peers: StepBroadcast | None = None      # the other tensor-parallel ranks, if any
+        # True: each StepResult carries its rows of the step's final hidden states (StepResult.hidden,
+        # views: nothing is copied); a proposer that drafts from them (MTP) asks for it
+        self.keep_hidden = False
         # The cache is allocated uninitialised (fast start, no memory until used). A block is
         # zeroed the first time it is written, so the positions attention reads as padding
         # are finite and masking them is enough (garbage could be NaN, and NaN * 0 is NaN).
@@ -104,13 +107,17 @@ class ModelRunner:
                 return ModelRunnerOutput()
             inputs = self._prepare(plan.steps, states)
             rows = self._logit_rows(plan.steps, states, inputs.meta)
-            _, logits = self.run_local(inputs, rows.flat_indices or None)
+            hidden, logits = self.run_local(inputs, rows.flat_indices or None)
         if logits is None:
-            return ModelRunnerOutput([StepResult() for _ in plan.steps])
-        results = self._results(plan.steps, states, logits, rows)
-        self._keep_verified_states(plan.steps, results)
-        for state, result in zip(states, results):   # what it sampled, and the drafts it accepted
-            state.output_token_ids.extend(result.token_ids)
+            results = [StepResult() for _ in plan.steps]
+        else:
+            results = self._results(plan.steps, states, logits, rows)
+            self._keep_verified_states(plan.steps, results)
+            for state, result in zip(states, results):   # what it sampled, and the drafts it accepted
+                state.output_token_ids.extend(result.token_ids)
+        if self.keep_hidden:
+            for first, s, result in zip(inputs.meta.query_start_loc, plan.steps, results):
+                result.hidden = hidden[first:first + s.num_known_tokens + result.num_accepted]
         return ModelRunnerOutput(results)
 
     @torch.inference_mode()

@@ -4,7 +4,8 @@ output gate (q_proj's rows per head: the query, then its gate), RoPE on a quarte
 norms; RMSNorm times (1 + w) (folded at load, not in the DeltaNet's gated norm). The MoE variant
 routes every layer's MLP to its experts (softmax, top k renormalised) beside a gated shared expert.
 A Qwen3_5ForConditionalGeneration checkpoint loads its text model; the vision tower is not loaded
-and images are not accepted."""
+and images are not accepted. The multi-token-prediction layer (mtp.*) is not the target's either:
+models/mtp.py loads it for MTP speculation (mtp_from_hf below), the target drops it."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,6 +76,13 @@ def from_hf(tensors: Tensors, config: ModelConfig) -> Tensors:
     return stack_experts(out, config) if config.num_experts else out
 
 
+def mtp_from_hf(tensors: Tensors, config: ModelConfig) -> Tensors:
+    """The MTP layer's tensors (mtp.fc, its two input norms, mtp.layers.0.* a full-attention layer named
+    as the model's, mtp.norm) in the forms the model's take, named model.*; config: its one-layer config."""
+    renamed = {"model." + n.removeprefix("mtp."): t for n, t in tensors.items() if n.startswith("mtp.")}
+    return add_one_to_norms(from_hf(renamed, config), ("pre_fc_norm_embedding", "pre_fc_norm_hidden"))
+
+
 def split_query_gate(t: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q_proj's rows (weight or bias) hold each head's query then its gate: [heads x (query, gate) x head_dim]."""
     rest = tuple(t.shape[1:])
@@ -84,4 +92,5 @@ def split_query_gate(t: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.
 
 QWEN3_5 = Family("qwen3_5", Qwen3_5ForCausalLM, qwen3_5_config,
                  ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), ("qwen35", "qwen35moe"), from_hf)
+                  "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), ("qwen35", "qwen35moe"), from_hf,
+                 mtp_from_hf=mtp_from_hf)

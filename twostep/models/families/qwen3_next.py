@@ -2,7 +2,7 @@
 checkpoint: each linear-attention layer's projections fused per key head (in_proj_qkvz: that head's
 q, k, then its value heads' v and z; in_proj_ba: their b, a), cut here into Qwen3.5's
 in_proj_qkv / z / b / a, and experts in every `decoder_sparse_step`-th layer beside a gated shared
-expert."""
+expert. Its multi-token-prediction layer is named and formed as Qwen3.5's (qwen3_5.mtp_from_hf)."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,4 +57,5 @@ def _per_key_head(t: torch.Tensor, key_heads: int, parts: list[int]) -> list[tor
     return [p.reshape(-1, t.shape[-1]) for p in pieces]
 
 
-QWEN3_NEXT = Family("qwen3_next", Qwen3NextForCausalLM, qwen3_next_config, ("Qwen3NextForCausalLM",), ("qwen3next",), from_hf)
+QWEN3_NEXT = Family("qwen3_next", Qwen3NextForCausalLM, qwen3_next_config, ("Qwen3NextForCausalLM",), ("qwen3next",), from_hf,
+                    mtp_from_hf=qwen3_5.mtp_from_hf)
