@@ -155,3 +155,22 @@ def test_a_hybrid_draft_model_is_refused(small_vocab):
     with pytest.raises(ValueError, match="linear-attention"):
         engine_for(small_vocab("llama"), speculative_config={"method": "draft_model",
                                                               "model": str(small_vocab("qwen3.5"))})
+
+
+def test_what_does_not_take_a_state_is_refused_clearly(tiny_model_dir):
+    folder = tiny_model_dir("qwen3.5")
+    with pytest.raises(ValueError, match="linear-attention"):
+        engine_for(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="linear-attention layers keep a state"):
+        engine_for(folder, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0})
+
+
+def test_an_image_is_refused_by_name(tiny_model_dir):
+    """Qwen3.5 checkpoints are multimodal; twostep loads their text model and says so of an image."""
+    from twostep import LLM
+
+    llm = LLM(str(tiny_model_dir("qwen3.5")), dtype="float32", kv_cache_memory="8MiB")
+    message = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+    with pytest.raises(ValueError, match="'image_url'.*vision tower is not loaded"):
+        llm.chat([message], SamplingParams(max_tokens=2))

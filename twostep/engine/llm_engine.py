@@ -79,6 +79,10 @@ class LLMEngine:
             raise ValueError(f"{t.path}: prefill/decode disaggregation moves one block table per request, and "
                              "this model keeps its sliding-window layers' blocks apart (KV-cache groups); run it "
                              "without --kv-transfer-config")
+        if config.kv_transfer_config and t.num_state_slots:
+            raise ValueError(f"{t.path}: prefill/decode disaggregation moves K/V blocks, and this model's "
+                             "linear-attention layers keep a state per sequence instead; run it without "
+                             "--kv-transfer-config")
         self.kv_connector: KVConnector | None = (make_connector(config.kv_transfer_config, t.runner.kv_caches)
                                                  if config.kv_transfer_config else None)
         self.scheduler = Scheduler(t.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -418,8 +418,11 @@ def _prepare_message(message: Any) -> dict:
         raise TypeError(f"chat messages must be dicts, got {type(message).__name__}")
     out = {k: v for k, v in message.items() if v is not None}
     if isinstance(out.get("content"), list):          # OpenAI content parts: text only
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in out["content"]):
-            raise ValueError("only text content parts are supported")
+        odd = next((p for p in out["content"] if not isinstance(p, dict) or p.get("type") != "text"), None)
+        if odd is not None:
+            kind = odd.get("type") if isinstance(odd, dict) else type(odd).__name__
+            raise ValueError(f"only text content parts are supported, not {kind!r}: twostep runs a model's text "
+                             "part (a multimodal checkpoint's vision tower is not loaded)")
         out["content"] = "".join(str(p.get("text", "")) for p in out["content"])
     if out.get("tool_calls"):
         out["tool_calls"] = [_tool_call_for_template(c) for c in out["tool_calls"]]
