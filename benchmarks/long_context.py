@@ -27,8 +27,7 @@ from twostep.engine.llm_engine import LLMEngine
 def measure(model: str, context: int, tokens: int, threads: int) -> tuple[float, int, int]:
     """(median seconds per decoded token, K/V bytes of the sequence, its state bytes)."""
     engine = LLMEngine(EngineConfig(model=model, max_model_len=context + tokens + 16, max_num_seqs=1,
-                                    enable_prefix_caching=False, num_threads=threads,
-                                    kv_cache_memory=f"{max(64, (context + 512) * 64 // 1024)}MiB"))
+                                    enable_prefix_caching=False, num_threads=threads))
     cfg = engine.model_config
     prompt = [random.Random(0).randrange(10, cfg.vocab_size - 10) for _ in range(context - 1)]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
