@@ -174,3 +174,26 @@ def test_an_image_is_refused_by_name(tiny_model_dir):
                                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
     with pytest.raises(ValueError, match="'image_url'.*vision tower is not loaded"):
         llm.chat([message], SamplingParams(max_tokens=2))
+
+
+def test_aborts_free_states_and_the_others_go_on(tiny_model_dir, hf_models):
+    """Requests aborted mid-prompt and mid-decode give their slots back; the others' outputs stay right."""
+    folder, hf = tiny_model_dir("qwen3.5"), hf_models("qwen3.5")
+    prompts = random_prompts([30, 8, 19], seed=16)
+    engine = engine_for(folder, block_size=4, max_num_batched_tokens=8)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    for step in range(40):
+        if step == 2:
+            engine.abort_request(ids[0])          # still in its prompt
+        if step == 6:
+            engine.abort_request(ids[2])          # decoding by now
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.scheduler.kv.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert_all_free(engine)
+    assert done[ids[1]].outputs[0].token_ids == hf_greedy(hf, prompts[1], 12)
+    assert done[ids[0]].outputs[0].finish_reason == "abort"
