@@ -99,6 +99,20 @@ def test_prefix_hits_restore_the_saved_state(tiny_model_dir, arch):
     warm.scheduler.kv.check_integrity()
 
 
+def test_a_shared_system_prompt_hits_from_its_third_use(tiny_model_dir):
+    """The second prompt with the same system prompt finds its blocks cached but no state there: it
+    saves its state where it parts from the first, and the third one hits there."""
+    folder = tiny_model_dir("qwen3.5")
+    system = random_prompts([21], seed=17)[0]
+    questions = random_prompts([5, 6, 7], seed=18)
+    prompts = [system + q for q in questions]
+    warm = engine_for(folder, block_size=4)
+    outs = [run_all(warm, [p], GREEDY)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 20]
+    for o, ref in zip(outs, run_all(engine_for(folder, block_size=4, enable_prefix_caching=False), prompts, GREEDY)):
+        assert o.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_saved_states_are_evicted_like_blocks(tiny_model_dir):
     """More prompts than saved-state slots: older states are evicted, the cache keeps working."""
     folder = tiny_model_dir("qwen3.5")

@@ -36,11 +36,12 @@ class StateMetadata:
     decode_slots: torch.Tensor    # their slots
     prompts: list[int]            # prompt chunks: the chunked rule
     verifies: list[int]           # drafts to verify: a recurrent step per token, each state kept
-    saves: dict[int, tuple[int, int]]   # sequence -> (after how many of its tokens, slot to save into)
+    # sequence -> ((after how many of its tokens, the slot to save the state into), ...), in order
+    saves: dict[int, tuple[tuple[int, int], ...]]
 
     @staticmethod
     def build(query_start_loc: list[int], query_lens: list[int], slots: list[int], num_drafts: list[int],
-              saves: dict[int, tuple[int, int]], device: torch.device) -> "StateMetadata":
+              saves: dict[int, tuple[tuple[int, int], ...]], device: torch.device) -> "StateMetadata":
         decodes = [i for i, (n, d) in enumerate(zip(query_lens, num_drafts)) if n == 1 and not d]
         verifies = [i for i, d in enumerate(num_drafts) if d]
         prompts = [i for i, (n, d) in enumerate(zip(query_lens, num_drafts)) if n > 1 and not d]

@@ -104,10 +104,15 @@ class KVCacheManager:
         for g, c in zip(self.groups, cached):
             if g.window is None:         # a full-attention group needs every leading block
                 longest = min(longest, next((i for i, b in enumerate(c) if b is None), usable))
+        parted = False
         for n in range(longest, 0, -1):
+            covered = all(g.hit_covers(c, n) for g, c in zip(self.groups, cached))
             if saved is not None and not self.states.hit_covers(saved, n):
+                if covered and not parted:      # blocks but no state: save one there this time
+                    self.states.parted_at(request_id, n * self.block_size)
+                    parted = True
                 continue
-            if all(g.hit_covers(c, n) for g, c in zip(self.groups, cached)):
+            if covered:
                 hit = [g.hit_blocks(c, n) for g, c in zip(self.groups, cached)]
                 if saved is not None:       # the saved state, after the groups' blocks
                     hit.append([saved[n - 1]])

@@ -9,13 +9,15 @@ queue in eviction order, the prefix cache by block key, slot 0 never handed out)
 - Each running sequence holds one live slot from its first step to its end (finish, abort,
   preemption free it). The state cannot be cut back like a table: a rejected draft's update is
   undone by the model runner, which keeps the state of each verified position (layers/gated_deltanet.py).
-- Prefix caching: a state is only valid at the position it was taken, so it is saved at one
-  block-aligned position of each prompt: the last block boundary before its last token, where a
-  repeat of the prompt and the next turn of a chat hit. The step that passes that position copies
-  the state into a save slot; once the step is applied the slot is registered under the key of
-  the block ending there and released (evictable, like a freed cached block). A hit needs the
-  attention layers' blocks and a saved state at the same position; the request's first step copies
-  the saved state into its live slot (its restore), holding the saved one until then.
+- Prefix caching: a state is only valid at the position it was taken, so it is saved at
+  block-aligned positions of a prompt: the last block boundary before its last token (where a
+  repeat of the prompt and the next turn of a chat hit), and where the request's lookup found the
+  attention layers' blocks cached further than any saved state (where it parts from an earlier
+  prompt: a shared system prompt's end, so the next request with it hits). The step that passes such
+  a position copies the state into a save slot; once the step is applied the slot is registered
+  under the key of the block ending there and released (evictable, like a freed cached block). A hit
+  needs the attention layers' blocks and a saved state at the same position; the request's first
+  step copies the saved state into its live slot (its restore), holding the saved one until then.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ class StateStep:
     slot: int                      # its live state, read and written in place
     restore: int = 0               # copy this saved state into the live slot first (a prefix hit)
     fresh: bool = False            # the sequence starts here from nothing: zero the live state
-    save_at: int = 0               # after this many of the step's tokens, copy the state ...
-    save_slot: int = 0             # ... into this slot (0: no save)
+    # (after this many of the step's tokens, the slot to copy the state into), in order
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 class StateSlots:
@@ -43,7 +45,8 @@ class StateSlots:
         self.pool = BlockPool(num_slots)
         self._live: dict[str, KVBlock] = {}
         self._restore: dict[str, KVBlock] = {}               # held until the first step ran
-        self._save: dict[str, tuple[int, KVBlock]] = {}      # (position, slot) until registered
+        self._save: dict[str, list[tuple[int, KVBlock]]] = {}   # (position, slot) until registered
+        self._parted: dict[str, int] = {}                    # where the lookup found blocks but no state
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock | None]:
         return [self.pool.lookup(key) for key in keys]
@@ -68,41 +71,47 @@ class StateSlots:
             self._restore[request_id] = hit
         self._live[request_id] = self.pool.allocate(1)[0]
 
+    def parted_at(self, request_id: str, position: int) -> None:
+        """The request's lookup found the attention blocks cached up to `position` but no state
+        saved there: its prompt parts there from an earlier one, so its state is worth saving there."""
+        self._parted[request_id] = position
+
     def step(self, request_id: str, start: int, num_tokens: int, num_prompt_tokens: int,
              save: bool) -> StateStep:
-        """The request's slots for a step computing [start, start + num_tokens); with `save`, a
-        save of the state at the prompt's last block boundary where the step passes it and a slot
-        is free."""
+        """The request's slots for a step computing [start, start + num_tokens); with `save`, saves
+        of the state at the positions worth it (the prompt's last block boundary, where it parts from
+        an earlier prompt) that the step passes, as free slots allow."""
         restore = self._restore.get(request_id)
-        at = (num_prompt_tokens - 1) // self.block_size * self.block_size
-        save_slot = 0
-        if save and start < at <= start + num_tokens and request_id not in self._save and self.pool.num_free_blocks:
-            slot = self.pool.allocate(1)[0]
-            self._save[request_id] = (at, slot)
-            save_slot = slot.block_id
+        saves = []
+        if save:
+            end = (num_prompt_tokens - 1) // self.block_size * self.block_size
+            pending = self._save.setdefault(request_id, [])
+            for at in sorted({self._parted.get(request_id, 0), end}):
+                if start < at <= start + num_tokens and self.pool.num_free_blocks:
+                    slot = self.pool.allocate(1)[0]
+                    pending.append((at, slot))
+                    saves.append((at - start, slot.block_id))
         return StateStep(self._live[request_id].block_id, restore.block_id if restore else 0,
-                         fresh=start == 0 and restore is None, save_at=at - start if save_slot else 0,
-                         save_slot=save_slot)
+                         fresh=start == 0 and restore is None, saves=tuple(saves))
 
     def stepped(self, request_id: str, keys: Sequence[BlockKey], num_computed_tokens: int) -> None:
-        """After a step: the saved state it started from is no longer needed, and a state it
-        saved goes into the prefix cache (keys: the request's block keys so far)."""
+        """After a step: the saved state it started from is no longer needed, and the states it
+        saved go into the prefix cache (keys: the request's block keys so far)."""
         restore = self._restore.pop(request_id, None)
         if restore is not None:
             self.pool.free([restore])
-        pending = self._save.get(request_id)
-        if pending is None or pending[0] > num_computed_tokens:
-            return
-        at, slot = self._save.pop(request_id)
-        block = at // self.block_size
-        if block <= len(keys):
-            self.pool.cache(slot, keys[block - 1])
-        self.pool.free([slot])
+        pending = self._save.get(request_id, [])
+        for at, slot in [p for p in pending if p[0] <= num_computed_tokens]:
+            block = at // self.block_size
+            if block <= len(keys):
+                self.pool.cache(slot, keys[block - 1])
+            self.pool.free([slot])
+            pending.remove((at, slot))
 
     def free(self, request_id: str) -> None:
         held = [self._live.pop(request_id, None), self._restore.pop(request_id, None)]
-        pending = self._save.pop(request_id, None)
-        held.append(pending[1] if pending else None)
+        held += [slot for _, slot in self._save.pop(request_id, [])]
+        self._parted.pop(request_id, None)
         self.pool.free([s for s in held if s is not None])
 
     def holds(self, request_id: str) -> int:
@@ -111,7 +120,8 @@ class StateSlots:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for slot in [*self._live.values(), *self._restore.values(), *(s for _, s in self._save.values())]:
+        saving = [slot for pending in self._save.values() for _, slot in pending]
+        for slot in [*self._live.values(), *self._restore.values(), *saving]:
             held[slot.block_id] = held.get(slot.block_id, 0) + 1
         for s in self.pool.blocks:
             assert held.get(s.block_id, 0) == s.ref_cnt, (

@@ -101,14 +101,15 @@ class GatedDeltaNet(nn.Module):
         for i in meta.prompts:
             s, n = meta.query_start_loc[i], meta.query_lens[i]
             out[s:s + n] = self._prompt(mixed[s:s + n], z[s:s + n], a[s:s + n], b[s:s + n], cache,
-                                        meta.slots[i], meta.saves.get(i))
+                                        meta.slots[i], meta.saves.get(i, ()))
         for i in meta.verifies:
             s, n = meta.query_start_loc[i], meta.query_lens[i]
             out[s:s + n] = self._verify(i, mixed[s:s + n], z[s:s + n], a[s:s + n], b[s:s + n], cache, meta.slots[i])
-        for i, (after, slot) in meta.saves.items():
-            if after == meta.query_lens[i]:      # the state at the step's end: what the live slot holds
-                cache.conv[slot].copy_(cache.conv[meta.slots[i]])
-                cache.recurrent[slot].copy_(cache.recurrent[meta.slots[i]])
+        for i, saves in meta.saves.items():
+            for after, slot in saves:
+                if after == meta.query_lens[i]:      # the state at the step's end: what the live slot holds
+                    cache.conv[slot].copy_(cache.conv[meta.slots[i]])
+                    cache.recurrent[slot].copy_(cache.recurrent[meta.slots[i]])
         return self.out_proj(out)
 
     def emit(self, p, dst: int, src: int) -> None:
@@ -133,22 +134,24 @@ class GatedDeltaNet(nn.Module):
         return self._output(o.to(z.dtype), z)
 
     def _prompt(self, mixed, z, a, b, cache: LinearStateCache, slot: int,
-                save: tuple[int, int] | None) -> torch.Tensor:
+                saves: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """A prompt chunk of one sequence by the chunked rule, from and into its state; where the
-        prefix cache asks for the state after `after` of its tokens, it is copied into that slot."""
+        prefix cache asks for the state after `after` of its tokens, it is copied into that slot
+        (the chunk is cut there; a save at its end is forward's)."""
         n, keep = mixed.shape[0], self.kernel - 1
         xs = torch.cat([cache.conv[slot], mixed])                          # [K - 1 + n, C]
         q, k, v = self._heads(self.conv1d(xs[None])[0])
         g, beta = self._gates(a, b)
         state = cache.recurrent[slot]
-        cut = save[0] if save is not None and save[0] < n else n
-        o = chunked(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state)
-        if cut < n:
-            cache.recurrent[save[1]].copy_(state)
-            cache.conv[save[1]].copy_(xs[cut:cut + keep])
-            o = torch.cat([o, chunked(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], state)])
+        outs, done = [], 0
+        for cut, save_slot in [*((after, s) for after, s in saves if after < n), (n, 0)]:
+            outs.append(chunked(q[done:cut], k[done:cut], v[done:cut], g[done:cut], beta[done:cut], state))
+            done = cut
+            if save_slot:
+                cache.recurrent[save_slot].copy_(state)
+                cache.conv[save_slot].copy_(xs[cut:cut + keep])
         cache.conv[slot].copy_(xs[n:])
-        return self._output(o.to(z.dtype), z)
+        return self._output(torch.cat(outs).to(z.dtype), z)
 
     def _verify(self, seq: int, mixed, z, a, b, cache: LinearStateCache, slot: int) -> torch.Tensor:
         """A decode and its drafts, a token at a time as decodes run, the state after each kept

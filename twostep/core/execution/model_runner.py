@@ -243,7 +243,7 @@ class ModelRunner:
 
     def _prepare_states(self, steps: list[RequestStep], inputs: StepInputs) -> None:
         """The linear-attention layers' layout of the step, from each request's state slots."""
-        saves = {i: (s.state.save_at, s.state.save_slot) for i, s in enumerate(steps) if s.state.save_slot}
+        saves = {i: s.state.saves for i, s in enumerate(steps) if s.state.saves}
         meta = inputs.meta
         inputs.states = StateMetadata.build(meta.query_start_loc, meta.query_lens, [s.state.slot for s in steps],
                                             [s.num_drafts for s in steps], saves, self.device)
