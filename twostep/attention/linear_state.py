@@ -34,6 +34,7 @@ class StateMetadata:
     slots: list[int]
     decodes: list[int]            # one token, no drafts: one batched recurrent step
     decode_slots: torch.Tensor    # their slots
+    decode_rows: torch.Tensor | None   # their rows in the flat batch (None: every row is one)
     prompts: list[int]            # prompt chunks: the chunked rule
     verifies: list[int]           # drafts to verify: a recurrent step per token, each state kept
     # sequence -> ((after how many of its tokens, the slot to save the state into), ...), in order
@@ -45,8 +46,10 @@ class StateMetadata:
         decodes = [i for i, (n, d) in enumerate(zip(query_lens, num_drafts)) if n == 1 and not d]
         verifies = [i for i, d in enumerate(num_drafts) if d]
         prompts = [i for i, (n, d) in enumerate(zip(query_lens, num_drafts)) if n > 1 and not d]
+        rows = None if len(decodes) == query_start_loc[-1] else int64_tensor([query_start_loc[i] for i in decodes],
+                                                                               device)
         return StateMetadata(query_start_loc, query_lens, slots, decodes,
-                             int64_tensor([slots[i] for i in decodes], device), prompts, verifies, saves)
+                             int64_tensor([slots[i] for i in decodes], device), rows, prompts, verifies, saves)
 
 
 def allocate_state_cache(num_layers: int, num_slots: int, kernel: int, channels: int, heads: int,

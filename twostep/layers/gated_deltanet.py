@@ -90,14 +90,11 @@ class GatedDeltaNet(nn.Module):
         a, b = self.in_proj_a(x), self.in_proj_b(x)
         out = torch.empty(x.shape[0], self.value_dim, dtype=x.dtype, device=x.device)
         if meta.decodes:
-            rows = [meta.query_start_loc[i] for i in meta.decodes]
-            index = None if len(rows) == x.shape[0] else torch.tensor(rows, device=x.device)
-            pick = (lambda t: t) if index is None else (lambda t: t[index])
-            o = self._decode(pick(mixed), pick(z), pick(a), pick(b), cache, meta.decode_slots)
-            if index is None:
-                out = o
+            index = meta.decode_rows
+            if index is None:       # a decode batch: every row, in order
+                out = self._decode(mixed, z, a, b, cache, meta.decode_slots)
             else:
-                out[index] = o
+                out[index] = self._decode(mixed[index], z[index], a[index], b[index], cache, meta.decode_slots)
         for i in meta.prompts:
             s, n = meta.query_start_loc[i], meta.query_lens[i]
             out[s:s + n] = self._prompt(mixed[s:s + n], z[s:s + n], a[s:s + n], b[s:s + n], cache,

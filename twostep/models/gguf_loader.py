@@ -77,7 +77,6 @@ Choices worth knowing:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -92,15 +91,17 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tokenizers import Tokenizer
 
-from twostep.models.config import FULL, LINEAR, SLIDING
+from twostep.models import gguf_derived as derived
+from twostep.models.config import LINEAR
 from twostep.models.families.glm4 import pairs_to_halves
 from twostep.models.family import split_rows
 from twostep.models.gguf_file import REQUIRED, GGUFFile
 from twostep.models.gguf_file import metadata_field as _field
 from twostep.models.gguf_tokenizer import build_tokenizer
+from twostep.models.gguf_value_heads import untiled_columns, value_head_rows
 from twostep.models.registry import gguf_families
 from twostep.quantization.gguf_blocks import PACKED_TYPES, pack_gguf
-from twostep.quantization.packed import BLOCK, QuantizedWeight
+from twostep.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -208,84 +209,6 @@ class _Architecture:
     tiled_value_heads: bool = False     # Qwen3.5's value heads tiled over the key heads (undone)
 
 
-def _sliding_layers(pattern: int | list, num_layers: int) -> list[bool]:
-    """llama.cpp's `attention.sliding_window_pattern`: a per-layer list, or a period n (every n-th
-    layer full, the others sliding; 0: all sliding)."""
-    if isinstance(pattern, list):
-        if len(pattern) != num_layers:
-            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
-        return [bool(p) for p in pattern]
-    return [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
-
-
-def _gemma(default_pattern: int, layers_of_27b: int) -> Callable[[Callable[..., Any], dict], dict]:
-    def derive(meta: Callable[..., Any], cfg: dict) -> dict:
-        layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or None
-        sliding = _sliding_layers(meta("attention.sliding_window_pattern", default_pattern), layers) \
-            if window else [False] * layers
-        # the file has no query_pre_attn_scalar: llama.cpp scales by the head size, the 27B models
-        # by hidden / heads (which is what their checkpoints say)
-        big = layers == layers_of_27b
-        return {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
-                "sliding_window": window, "layer_types": [SLIDING if s else FULL for s in sliding]}
-    return derive
-
-
-def _phi3(meta: Callable[..., Any], cfg: dict) -> dict:
-    return {"sliding_window": meta("attention.sliding_window", 0) or None}     # 0: none
-
-
-def _smollm3(meta: Callable[..., Any], cfg: dict) -> dict:
-    # llama.cpp's n_no_rope_layer_step, fixed at 4 (SmolLM3's own); no key holds it
-    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])]}
-
-
-def _olmo2(meta: Callable[..., Any], cfg: dict) -> dict:
-    if meta("attention.sliding_window", 0):
-        raise ValueError("sliding-window attention (an OLMo 3 file) is not supported; supported: OLMo 2")
-    return {}
-
-
-def _gpt_oss(meta: Callable[..., Any], cfg: dict) -> dict:
-    """YaRN as gpt-oss's checkpoint has it (no truncation of the correction range); llama.cpp's clamp
-    and alpha of the SwiGLU (no key holds them), every other layer windowed (its swa pattern 2)."""
-    scaling = cfg.get("rope_scaling")
-    if scaling is not None:
-        scaling = {**scaling, "truncate": False, "beta_fast": meta("rope.scaling.yarn_beta_fast", 32.0),
-                   "beta_slow": meta("rope.scaling.yarn_beta_slow", 1.0)}
-    return {"rope_scaling": scaling, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
-
-
-def _hybrid(meta: Callable[..., Any], cfg: dict) -> dict:
-    """Qwen3.5 / Qwen3-Next: the linear-attention layers (attention.recurrent_layers, else all but every
-    full_attention_interval-th) and their shape from llama.cpp's ssm.* keys: group_count key heads of
-    state_size dims, time_step_rank value heads sharing inner_size. RoPE's dimension_sections (M-RoPE)
-    are the same rotation as a text model's for text positions: not read."""
-    layers = cfg["num_hidden_layers"]
-    recurrent = meta("attention.recurrent_layers", None)
-    if recurrent is None:
-        interval = meta("full_attention_interval", 4)
-        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    if len(recurrent) < layers:
-        raise ValueError(f"attention.recurrent_layers has {len(recurrent)} entries for {layers} layers")
-    key_heads, value_heads, inner = meta("ssm.group_count"), meta("ssm.time_step_rank"), meta("ssm.inner_size")
-    if not key_heads or value_heads % key_heads or inner % value_heads:
-        raise ValueError(f"{value_heads} value heads of {inner} dims in all cannot share {key_heads} key heads")
-    out = {"layer_types": [LINEAR if r else FULL for r in recurrent[:layers]],
-           "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
-           "linear_key_head_dim": meta("ssm.state_size"), "linear_value_head_dim": inner // value_heads,
-           "linear_conv_kernel_dim": meta("ssm.conv_kernel")}
-    if cfg.get("num_experts"):      # llama.cpp's default: the dense MLP's size
-        out["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", cfg["intermediate_size"])
-    return out
-
-
-def _glm4(meta: Callable[..., Any], cfg: dict) -> dict:
-    if any(meta("rope.dimension_sections", [])):
-        raise ValueError("M-RoPE sections (a GLM-4 vision model) are not supported; supported: GLM-4 text models")
-    return {}
-
-
 _PERMUTED = {"optional": _ALL_BIAS, "rotary_rows": "permuted"}     # llama.cpp's converter's LlamaModel
 # Qwen3.5 / Qwen3-Next: gated full attention in some layers, Gated DeltaNet in the others
 _GATED_ATTENTION = _weights(*_ATTENTION, "self_attn.gate_proj", *_QK_NORMS)
@@ -304,7 +227,7 @@ _HYBRID = {
                      "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
                      "ssm_dt": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log", "ssm_norm": "linear_attn.norm",
                      "ssm_out": "linear_attn.out_proj"},
-    "moe": _SHARED_EXPERT, "partial_rotary": True, "derive": _hybrid,
+    "moe": _SHARED_EXPERT, "partial_rotary": True, "derive": derived.hybrid,
 }
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm"}
 _GELU = {"hidden_act": "gelu_pytorch_tanh"}
@@ -314,29 +237,29 @@ _ARCHITECTURES = {
     "qwen3": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
     "qwen3moe": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS),
     "olmoe": _Architecture(_PRE_NORM + _weights(*_QK_NORMS), optional=_ALL_BIAS, renormalise=False),
-    "smollm3": _Architecture(_PRE_NORM, **_PERMUTED, derive=_smollm3),
+    "smollm3": _Architecture(_PRE_NORM, **_PERMUTED, derive=derived.smollm3),
     "granite": _Architecture(_PRE_NORM, **_PERMUTED, metadata={
         "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
         "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
     "olmo2": _Architecture(_weights(*_ATTENTION, *_MLP, *_QK_NORMS, "post_attention_layernorm",
-                                    "post_feedforward_layernorm"), optional=_ALL_BIAS, derive=_olmo2),
-    "phi3": _Architecture(_PRE_NORM, names={"ffn_up": "mlp.gate_up_proj"}, partial_rotary=True, derive=_phi3),
+                                    "post_feedforward_layernorm"), optional=_ALL_BIAS, derive=derived.olmo2),
+    "phi3": _Architecture(_PRE_NORM, names={"ffn_up": "mlp.gate_up_proj"}, partial_rotary=True, derive=derived.phi3),
     "gemma2": _Architecture(
-        _SANDWICH, names=_GEMMA_NORMS, derive=_gemma(2, 46),
+        _SANDWICH, names=_GEMMA_NORMS, derive=derived.gemma(2, 46),
         metadata={"attn_logit_softcapping": "attn_logit_softcapping",
                   "final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window"},
         defaults={**_GELU, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096}),
     "gemma3": _Architecture(
-        _SANDWICH + _weights(*_QK_NORMS), names=_GEMMA_NORMS, derive=_gemma(6, 62),
+        _SANDWICH + _weights(*_QK_NORMS), names=_GEMMA_NORMS, derive=derived.gemma(6, 62),
         metadata={"final_logit_softcapping": "final_logit_softcapping", "attention.sliding_window": "sliding_window",
                   "rope.freq_base_swa": "rope_local_base_freq"},
         defaults={**_GELU, "rope_local_base_freq": 10000.0}),
     "gpt-oss": _Architecture(
         _weights(*_ATTENTION, "input_layernorm", "post_attention_layernorm") + _ALL_BIAS + ("self_attn.sinks",),
         moe=("mlp.gate.bias", "mlp.experts.gate_proj.bias", "mlp.experts.up_proj.bias", "mlp.experts.down_proj.bias"),
-        metadata={"attention.sliding_window": "sliding_window"}, derive=_gpt_oss),
+        metadata={"attention.sliding_window": "sliding_window"}, derive=derived.gpt_oss),
     "glm4": _Architecture(_SANDWICH, optional=_QKV_BIAS, rotary_rows="pairs", partial_rotary=True,
-                          names={**_GEMMA_NORMS, "ffn_up": "mlp.gate_up_proj"}, derive=_glm4),
+                          names={**_GEMMA_NORMS, "ffn_up": "mlp.gate_up_proj"}, derive=derived.glm4),
     "qwen35": _Architecture(**_HYBRID, tiled_value_heads=True),
     "qwen35moe": _Architecture(**_HYBRID, tiled_value_heads=True,
                                defaults={"architectures": ["Qwen3_5MoeForCausalLM"]}),
@@ -663,62 +586,8 @@ def _rotary_row_order(name: str, rows: int, arch: str, config: dict) -> torch.Te
     return _unpermute_rotary_rows(torch.arange(rows), rows // head_dim)
 
 
-def _untiled(key_heads: int, value_heads: int, n: int) -> torch.Tensor:
-    """Qwen3.5's files tile the value heads over the key heads (llama.cpp repeats the q/k heads
-    whole: value head j' reads key head j' % key_heads); HF groups them (value head g * r + t reads key
-    head g): the file's rows, n per head, in HF's order."""
-    return torch.arange(value_heads * n).reshape(value_heads // key_heads, key_heads, n).transpose(0, 1).reshape(-1)
-
-
 def _tiled(arch: str, config: dict) -> bool:
     return _ARCHITECTURES[arch].tiled_value_heads and config["linear_num_key_heads"] != config["linear_num_value_heads"]
-
-
-def _value_head_rows(name: str, arch: str, config: dict) -> torch.Tensor | None:
-    """The row order that gives a value-head tensor of a tiled file (rows: values of in_proj_qkv and
-    conv1d's channels, z, b, a, dt_bias, A_log) HF's order; None: not one, or not tiled."""
-    if not _tiled(arch, config) or ".linear_attn." not in name:
-        return None
-    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    module = name.split(".linear_attn.")[1]
-    dv, keys = config["linear_value_head_dim"], 2 * key_heads * config["linear_key_head_dim"]
-    if module in ("in_proj_qkv.weight", "conv1d.weight"):      # q and k as they are
-        return torch.cat([torch.arange(keys), keys + _untiled(key_heads, value_heads, dv)])
-    if module == "in_proj_z.weight":
-        return _untiled(key_heads, value_heads, dv)
-    if module in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
-        return _untiled(key_heads, value_heads, 1)
-    return None
-
-
-def _untiled_columns(weight: torch.Tensor | QuantizedWeight, config: dict) -> torch.Tensor | QuantizedWeight:
-    """out_proj's columns (its input: the value heads) in HF's order. Packed, a value head moves as
-    whole 32-weight blocks and scale groups, which a head of 64 or 128 dims is; a packed matrix of
-    narrower heads (the tiny test models') cannot be reordered so: that one matrix is dequantized
-    (requantizing in HF's order would round it twice)."""
-    key_heads, value_heads, dv = (config["linear_num_key_heads"], config["linear_num_value_heads"],
-                                  config["linear_value_head_dim"])
-    if isinstance(weight, QuantizedWeight):
-        heads = _column_blocks(weight, _untiled(key_heads, value_heads, 1), dv)
-        if heads is not None:
-            return heads
-        weight = weight.dequantize()
-    return weight[:, _untiled(key_heads, value_heads, dv)]
-
-
-def _column_blocks(weight: QuantizedWeight, order: torch.Tensor, width: int) -> QuantizedWeight | None:
-    """The packed matrix's columns in runs of `width`, run order[i] at i; None where a run is not made
-    of whole blocks and scale groups. Every plane is [n, ...] row-major, block by block
-    (quantization/packed.py): a run's planes are its columns' slices of each."""
-    out = []
-    for part in weight.parts:
-        if part.panels or width % BLOCK or width % part.fmt.group or part.fmt.group > width:
-            return None
-        runs = [part.columns(int(i) * width, (int(i) + 1) * width) for i in order]
-        planes = [None if plane is None else torch.cat([run.planes()[p] for run in runs], dim=1)
-                  for p, plane in enumerate(part.planes())]
-        out.append(dataclasses.replace(part, qs=planes[0], qh=planes[1], scales=planes[2], mins=planes[3]))
-    return QuantizedWeight(tuple(out))
 
 
 def _shaped(name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
@@ -780,11 +649,11 @@ def _load_tensors(reader: GGUFFile, config: dict, dtype: torch.dtype,
             rows = part.n if isinstance(part, QuantizedWeight) else part.shape[0]
             order = _rotary_row_order(name, rows, arch, config)
             if order is None:
-                order = _value_head_rows(name, arch, config)
+                order = value_head_rows(name, config) if _tiled(arch, config) else None
             if order is not None:
                 part = _take_rows(part, order)
             if name.endswith("linear_attn.out_proj.weight") and _tiled(arch, config):
-                part = _untiled_columns(part, config)
+                part = untiled_columns(part, config)
             part = _shaped(name, part)
             tensors[name] = part if isinstance(part, QuantizedWeight) else part.to(dtype)
     _check_complete(tensors, config, path, arch)
