@@ -34,6 +34,15 @@ from twostep.entrypoints.openai.tool_parsers import StreamDelta, ToolCallStreame
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request):
+    result = await run_chat(state, body, raw)
+    return sse_response(result) if body.stream else result
+
+
+async def run_chat(state: ServerState, body: ChatCompletionRequest, raw: Request):
+    """A chat request checked, queued and run: the chat.completion body, or with stream: true an
+    async iterator of its chat.completion.chunk bodies. The other APIs that chat (Responses,
+    Anthropic Messages) translate their requests into a ChatCompletionRequest and these results
+    back into their own shapes; a bad request raises APIError before anything is queued."""
     check_model(state, body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
@@ -66,7 +75,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     batch = Batch(state, "chatcmpl", body.request_id)
     await batch.add([ids], params, body.priority)
     if body.stream:
-        return sse_response(_chat_stream(state, body, batch, top, plan, harmony))
+        return _chat_stream(state, body, batch, top, plan, harmony)
     choices, cached, prompt_ids = await collect(batch, body.n, raw)
     tok = state.tokenizer
     echo = _echoed(body)
