@@ -37,6 +37,10 @@ class StructuredOutputsParams:
         False to allow any whitespace between JSON tokens.
     disable_additional_properties: objects in the schema that do not say otherwise get
         "additionalProperties": false (JSON Schema's own default allows extra keys).
+    starts_after: the constraint applies from the first time the output's tokens spell this text
+        (as the tokenizer encodes it), the output before it is free: a reasoning model's end of
+        thinking, so that it thinks first and then answers in the constrained form (vLLM's
+        behaviour with a reasoning parser).
     """
 
     json: dict | str | None = None
@@ -46,6 +50,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -59,6 +64,8 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.regex must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
+            raise ValueError("structured_outputs.starts_after must be a non-empty string")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or any(not isinstance(c, str) or not c for c in self.choice)):

@@ -350,13 +350,13 @@ def test_the_server_answers_with_the_final_channel(client, tokenizer):
     # cut inside the analysis channel: empty content, never the raw markers
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
                                        extra_body={"structured_outputs": {"grammar": FORCED}})
-    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("", "length")
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (None, "length")   # no answer yet
     # a tool call ends the turn at <|call|> (no EOS id here: the server adds it), and is not content
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=160, temperature=0, logprobs=True,
                                        extra_body={"structured_outputs": {"grammar": FORCED_CALL},
                                                    "return_tokens_as_token_ids": True})
     [choice] = r.choices
-    assert (choice.message.content, choice.message.model_extra["reasoning_content"]) == ("", "Need weather.")
+    assert (choice.message.content, choice.message.model_extra["reasoning_content"]) == (None, "Need weather.")
     call = tokenizer.token_to_id("<|call|>")
     assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", call)
     ids = [int(t.token.split(":")[1]) for t in choice.logprobs.content]

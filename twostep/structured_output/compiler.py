@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import llguidance
 
 from twostep.sampling_params import StructuredOutputsParams
-from twostep.structured_output.grammar import Grammar
+from twostep.structured_output.grammar import DeferredGrammar, Grammar
 from twostep.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class GrammarCompiler:
                     self.vocab_size, time.monotonic() - start)
         return built
 
-    def grammar(self, params: StructuredOutputsParams) -> Grammar:
+    def grammar(self, params: StructuredOutputsParams) -> Grammar | DeferredGrammar:
         """A fresh matcher for one request; raises ValueError when the constraint does not compile."""
         key = params.key()
         with self._lock:
@@ -81,7 +81,10 @@ class GrammarCompiler:
                 self._cache[key] = template
                 if len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return Grammar(template.deep_copy(), self.vocab_size, frozenset(self.ll_tokenizer.eos_tokens))
+        grammar = Grammar(template.deep_copy(), self.vocab_size, frozenset(self.ll_tokenizer.eos_tokens))
+        if params.starts_after is None:
+            return grammar
+        return DeferredGrammar(grammar, self.tokenizer.encode(params.starts_after, add_special_tokens=False))
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         start = time.monotonic()

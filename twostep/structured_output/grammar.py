@@ -4,6 +4,9 @@ bitmask); the sampler only ever sees the bitmask.
 
 A bitmask is int32 ``[ceil(V / 32)]``: bit ``t % 32`` of word ``t // 32`` is set when token t is
 allowed (llguidance's layout). EOS is in it only where the grammar can end.
+
+A DeferredGrammar starts only after a marker in the output (structured outputs of a reasoning model
+constrain its answer, not its thinking).
 """
 from __future__ import annotations
 
@@ -83,3 +86,69 @@ class Grammar:
 
     def _fill(self, row: torch.Tensor) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+class DeferredGrammar:
+    """A grammar that starts after a marker: until the output's tokens end with ``marker`` (a
+    reasoning model's end of thinking, as token ids) every token is allowed and none is fed to the
+    grammar; from then on it is the grammar. The same interface as Grammar, for the scheduler."""
+
+    def __init__(self, grammar: Grammar, marker: list[int]) -> None:
+        if not marker:
+            raise ValueError("a deferred grammar needs a non-empty marker")
+        self.grammar = grammar
+        self.marker = list(marker)
+        self.started = False
+        self._tail: list[int] = []       # the last len(marker) tokens before the start
+
+    def accept(self, token_id: int) -> bool:
+        if self.started:
+            return self.grammar.accept(token_id)
+        self._tail = self._after(self._tail, token_id)
+        self.started = self._tail == self.marker
+        return True
+
+    def _after(self, tail: list[int], token_id: int) -> list[int]:
+        return (tail + [token_id])[-len(self.marker):]
+
+    def _start_index(self, token_ids: list[int]) -> int | None:
+        """The index in token_ids after which the grammar would start (None: not within them)."""
+        if self.started:
+            return 0
+        tail = self._tail
+        for i, t in enumerate(token_ids):
+            tail = self._after(tail, t)
+            if tail == self.marker:
+                return i + 1
+        return None
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        start = self._start_index(token_ids)
+        if start is None:
+            return len(token_ids)
+        return start + self.grammar.valid_prefix(token_ids[start:])
+
+    def drafts_to_verify(self, token_ids: list[int]) -> int:
+        start = self._start_index(token_ids)
+        if start is None:
+            return len(token_ids)
+        return start + self.grammar.drafts_to_verify(token_ids[start:])
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.started and self.grammar.is_terminated
+
+    @property
+    def is_error(self) -> bool:
+        return self.started and self.grammar.is_error
+
+    def bitmask(self, draft_token_ids: list[int] | None = None) -> torch.Tensor:
+        """Rows up to the marker allow everything; the rest are the grammar's."""
+        drafts = draft_token_ids or []
+        start = self._start_index(drafts)
+        if start == 0:
+            return self.grammar.bitmask(drafts)
+        out = torch.full((1 + len(drafts), bitmask_width(self.grammar.vocab_size)), -1, dtype=torch.int32)
+        if start is not None:        # a draft completes the marker: the grammar's rows after it
+            out[start:] = self.grammar.bitmask(drafts[start:])
+        return out

@@ -1,16 +1,18 @@
 """POST /v1/chat/completions: messages through the chat template, tool calls planned and parsed,
 structured outputs, logprobs, streamed or not.
 
-A model that speaks harmony (gpt-oss; the rule is in entrypoints/harmony.py) generates with its
-special tokens kept in the text and stops at <|return|> and <|call|>; the answer (its final channel)
-is the content and its chain of thought (the analysis channel) goes to reasoning_content and
-reasoning, never to content. Tool calls are then read out of the answer.
+A reasoning model's chain of thought goes to message.reasoning (and reasoning_content, its older
+name), never to content: the server's --reasoning-parser splits the output (entrypoints/reasoning.py;
+which request gets which parser: reasoning_plan.py), and usage counts the reasoning tokens. A model
+that speaks harmony (gpt-oss; entrypoints/harmony.py) generates with its special tokens kept in the
+text and stops at <|return|> and <|call|>; its final channel is the answer. Tool calls are read out of
+the answer (a harmony tool-call parser reads the whole output: its calls are messages of their own).
 """
 from __future__ import annotations
 
 from fastapi import Request
 
-from twostep.entrypoints.harmony import HarmonyChat, is_harmony_tokenizer, parse_chat_output, turn_end_token_ids
+from twostep.entrypoints.harmony import is_harmony_tokenizer, turn_end_token_ids
 from twostep.entrypoints.openai import serving
 from twostep.entrypoints.openai.errors import APIError
 from twostep.entrypoints.openai.fan_out import Batch, collect, with_transfer
@@ -26,11 +28,13 @@ from twostep.entrypoints.openai.request_checks import (
     encode_messages,
     request_params,
 )
+from twostep.entrypoints.reasoning_plan import ReasoningPlan, defer_constraint, plan_reasoning
 from twostep.entrypoints.openai.serving import Choice
 from twostep.entrypoints.openai.sse import sse_response
 from twostep.entrypoints.openai.state import ServerState
 from twostep.entrypoints.openai.tool_choice import ToolChoiceError, ToolPlan, plan_tools
 from twostep.entrypoints.openai.tool_parsers import StreamDelta, ToolCallStreamer, extract_tool_calls
+from twostep.entrypoints.reasoning import ReasoningDelta, ReasoningSplit, count_reasoning_tokens
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request):
@@ -71,20 +75,24 @@ async def run_chat(state: ServerState, body: ChatCompletionRequest, raw: Request
     if harmony:
         params.skip_special_tokens = False       # the channels are told apart by special tokens
         params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + turn_end_token_ids(state.tokenizer)))
+    reasoning = plan_reasoning(state.tokenizer, state.config.reasoning_parser,
+                               state.config.structured_outputs_in_reasoning, body.chat_template_kwargs, ids)
+    defer_constraint(reasoning, params)
     await compile_constraint(state, params)
     batch = Batch(state, "chatcmpl", body.request_id)
     await batch.add([ids], params, body.priority)
     if body.stream:
-        return _chat_stream(state, body, batch, top, plan, harmony)
+        return _chat_stream(state, body, batch, top, plan, reasoning, params.skip_special_tokens)
     choices, cached, prompt_ids = await collect(batch, body.n, raw)
     tok = state.tokenizer
     echo = _echoed(body)
-    data = [{"index": c.index, **_chat_message(c, plan, echo, harmony),
+    data = [{"index": c.index, **_chat_message(c, plan, echo, reasoning),
              "logprobs": serving.chat_logprobs(tok, c.token_ids, c.logprobs, top, serving.TokenTexts(tok),
                                                body.return_tokens_as_token_ids)
              if body.logprobs else None, "stop_reason": c.stop_reason} for c in choices]
     response = {"id": batch.id, "object": "chat.completion", "created": serving.now(),
-                "model": state.model_name, "choices": data, "usage": serving.usage(choices, prompt_ids, cached)}
+                "model": state.model_name, "choices": data,
+                "usage": _usage(state, choices, prompt_ids, cached, reasoning, params.skip_special_tokens)}
     if body.prompt_logprobs is not None:
         response["prompt_logprobs"] = serving.prompt_logprobs(tok, prompt_ids[0], batch.prompt_logprobs[0],
                                                               body.prompt_logprobs)
@@ -100,18 +108,18 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return content if isinstance(content, str) else "".join(str(p.get("text", "")) for p in content or [])
 
 
-def _chat_message(c: Choice, plan: ToolPlan, echo: str, harmony: bool) -> dict:
-    """The assistant message and finish_reason of one choice, with the calls read out of its text
-    (of a harmony model: out of its answer, the final channel)."""
-    text, extra = c.text, {}
-    if harmony:
-        text, reasoning = parse_chat_output(c.text)
-        extra = _reasoning(reasoning)
-    text = echo + text
-    message = {"role": "assistant", "content": text, **extra}
+def _chat_message(c: Choice, plan: ToolPlan, echo: str, reasoning: ReasoningPlan) -> dict:
+    """The assistant message and finish_reason of one choice: its reasoning split off, and the calls
+    read out of its answer."""
+    split = ReasoningSplit("", c.text)
+    if reasoning.parser is not None:
+        split = reasoning.parser.split(c.text, final=True)
+    extra = _reasoning(split.reasoning or None)       # null without reasoning, as vLLM answers
+    text = echo + split.content
+    message = {"role": "assistant", "content": text if text or reasoning.parser is None else None, **extra}
     if plan.parser is None:
         return {"message": message, "finish_reason": c.finish_reason}
-    content, calls = extract_tool_calls(plan.parser, text)
+    content, calls = extract_tool_calls(plan.parser, c.text if plan.parser.reads_harmony else text)
     calls = calls[:plan.max_calls] if plan.max_calls is not None else calls
     if not calls:
         return {"message": message, "finish_reason": c.finish_reason}
@@ -122,9 +130,20 @@ def _chat_message(c: Choice, plan: ToolPlan, echo: str, harmony: bool) -> dict:
 
 
 def _reasoning(text: str | None) -> dict:
-    """A harmony model's chain of thought under both names clients read: vLLM's older
-    reasoning_content and its newer reasoning."""
-    return {"reasoning_content": text, "reasoning": text}
+    """The chain of thought under both names clients read: vLLM's newer reasoning and its older
+    reasoning_content (DeepSeek's and llama.cpp's name)."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
+def _usage(state: ServerState, choices: list[Choice], prompt_ids: list[list[int]], cached: list[int],
+           reasoning: ReasoningPlan, skip_special_tokens: bool) -> dict:
+    """OpenAI's usage; with a reasoning parser, completion_tokens_details.reasoning_tokens."""
+    out = serving.usage(choices, prompt_ids, cached)
+    if reasoning.parser is not None:
+        decode = lambda ids: state.tokenizer.decode(ids, skip_special_tokens)  # noqa: E731
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(
+            count_reasoning_tokens(reasoning.parser, c.text, c.token_ids, decode) for c in choices)}
+    return out
 
 
 def _tool_finish(finish_reason: str | None, plan: ToolPlan) -> str | None:
@@ -133,7 +152,7 @@ def _tool_finish(finish_reason: str | None, plan: ToolPlan) -> str | None:
 
 
 async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: Batch, top: int,
-                       plan: ToolPlan, harmony: bool):
+                       plan: ToolPlan, reasoning: ReasoningPlan, skip_special_tokens: bool):
     tok = state.tokenizer
     head = {"id": batch.id, "object": "chat.completion.chunk", "created": serving.now(),
             "model": state.model_name}
@@ -144,7 +163,7 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
     sent: dict[int, int] = {}
     token_texts: dict[int, serving.TokenTexts] = {}
     streamers: dict[int, ToolCallStreamer] = {}
-    harmonies: dict[int, HarmonyChat] = {}
+    splits = {}
     last: dict[int, Choice] = {}
     cached, prompt_ids = [0], [[]]
     async for _, out in batch.outputs():
@@ -154,7 +173,9 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
                 continue
             new = c.token_ids[sent.get(c.index, 0):]
             sent[c.index] = len(c.token_ids)
-            last[c.index] = Choice(index=c.index, prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+            text_so_far = (last[c.index].text if c.index in last else "") + c.delta_text
+            last[c.index] = Choice(index=c.index, prompt_token_ids=out.prompt_token_ids, text=text_so_far,
+                                   token_ids=c.token_ids)
             if not c.delta_text and not new and not c.finish_reason:
                 continue
             lp = None
@@ -165,25 +186,26 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
             finish = c.finish_reason
             if finish:
                 done.add(c.index)
-            text, reasoning = c.delta_text, ""
-            if harmony:     # only the answer is content; the chain of thought is reasoning
-                split = harmonies.setdefault(c.index, HarmonyChat()).feed(c.delta_text, final=bool(finish))
-                text, reasoning = split.content, split.reasoning
+            split = ReasoningDelta(content=c.delta_text)
+            if reasoning.parser is not None:   # only the answer is content; the chain of thought is reasoning
+                split = splits.setdefault(c.index, reasoning.parser.stream()).feed(c.delta_text, final=bool(finish))
             if plan.parser is None:
-                delta = {"content": text} if text or not (finish or harmony) else {}
+                delta = {"content": split.content} if split.content or not (finish or reasoning.parser) else {}
             else:
                 streamer = streamers.setdefault(c.index, ToolCallStreamer(plan.parser, plan.max_calls))
-                delta = _tool_delta(streamer.feed(text, final=bool(finish)))
+                tool_text = c.delta_text if plan.parser.reads_harmony else split.content
+                delta = _tool_delta(streamer.feed(tool_text, final=bool(finish)))
                 if finish and streamer.has_calls:
                     finish = _tool_finish(finish, plan)
-            if reasoning:
-                delta = {**_reasoning(reasoning), **delta}
-            if (plan.parser is not None or harmony) and not delta and not finish and lp is None:
+            if split.reasoning:
+                delta = {**_reasoning(split.reasoning), **delta}
+            if (plan.parser is not None or reasoning.parser) and not delta and not finish and lp is None:
                 continue
             yield {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                         "finish_reason": finish, "stop_reason": c.stop_reason}]}
     if body.stream_options and body.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": serving.usage(list(last.values()), prompt_ids, cached)}
+        yield {**head, "choices": [], "usage": _usage(state, list(last.values()), prompt_ids, cached, reasoning,
+                                                      skip_special_tokens)}
 
 
 def _tool_delta(d: StreamDelta) -> dict:

@@ -282,6 +282,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -46,11 +46,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None   # with a reasoning parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -114,6 +119,8 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: str
     content: str | None
+    reasoning: str | None = None            # with a reasoning parser: the chain of thought
+    reasoning_content: str | None = None    # the same, under its older name
     tool_calls: list[ToolCall] | None = None
 
 
