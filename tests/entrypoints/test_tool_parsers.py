@@ -3,6 +3,7 @@ whole (extract_tool_calls) and streamed in many chunkings (ToolCallStreamer), an
 contract -- every prefix's parse is consistent with the longer texts' -- checked on every prefix."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -10,13 +11,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from twostep.entrypoints.openai.tool_parsers import (TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser,
-                                                     MistralToolParser, NamedToolParser, ParsedOutput,
-                                                     PythonicToolParser, RequiredToolsParser, StreamDelta,
-                                                     ToolCallStreamer, ToolParser, extract_tool_calls,
-                                                     get_tool_parser, new_call_id)
+from twostep.entrypoints.harmony import parse_chat_output
+from twostep.entrypoints.openai.protocol import ChatCompletionRequest
+from twostep.entrypoints.openai.tool_choice import plan_tools
+from twostep.entrypoints.openai.tool_parsers import (TOOL_PARSERS, GptOssToolParser, HermesToolParser,
+                                                     Llama3JsonToolParser, MistralToolParser, NamedToolParser,
+                                                     ParsedOutput, PythonicToolParser, Qwen3CoderToolParser,
+                                                     RequiredToolsParser, StreamDelta, ToolCallStreamer, ToolParser,
+                                                     extract_tool_calls, get_tool_parser, new_call_id)
 from twostep.entrypoints.openai.tool_parsers.content import cut_partial_marker, join_content
 from twostep.entrypoints.openai.tool_parsers.json_scan import Scan, scan_group, scan_value, value_prefix
+from twostep.entrypoints.openai.tool_parsers.parameter_values import parameter_value, schema_types
 
 
 @dataclass
@@ -153,6 +158,99 @@ NAMED = [
     Case("truncated", '{"city": "Par', None, [], streamed=[("get_weather", '{"city": "Par')]),
 ]
 
+
+def function(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties}}}
+
+
+QWEN_TOOLS = [
+    function("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"},
+                             "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    function("search", {"query": {"type": "string"}, "filter": {"type": "object"}, "tags": {"type": "array"},
+                        "limit": {"type": "number"}, "exact": {"type": "boolean"},
+                        "cursor": {"type": ["string", "null"]}}),
+]
+
+
+def xml_call(name: str, *parameters: tuple[str, str], block: bool = True) -> str:
+    """A call as Qwen3-Coder writes it: each value on lines of its own."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    function = f"<function={name}>\n{body}</function>"
+    return f"<tool_call>\n{function}\n</tool_call>" if block else function
+
+
+PARIS = xml_call("get_weather", ("city", "Paris"), ("days", "3"))
+CODE = "def f(x):\n    return '<b>' + \"{x}\"\n"
+
+QWEN3_CODER = [
+    Case("one_call", PARIS, None, [tc("get_weather", city="Paris", days=3)]),
+    Case("two_calls_content_before", f"Let me check.\n\n{PARIS}\n{xml_call('search', ('query', 'rain'))}",
+         "Let me check.", [tc("get_weather", city="Paris", days=3), tc("search", query="rain")]),
+    Case("types_by_schema",
+         xml_call("search", ("query", "42"), ("filter", json.dumps(NESTED)), ("tags", "['a', \"b\"]"),
+                  ("limit", "-1.5e3"), ("exact", "True"), ("cursor", "null")),
+         None, [tc("search", query="42", filter=NESTED, tags=["a", "b"], limit=-1500.0, exact=True, cursor=None)]),
+    Case("raw_strings_keep_their_text",
+         xml_call("search", ("query", "\n" + CODE), ("cursor", json.dumps(TRICKY, ensure_ascii=False))),
+         None, [tc("search", query="\n" + CODE, cursor=json.dumps(TRICKY, ensure_ascii=False))]),
+    Case("unknown_tool_and_parameter_try_json",
+         xml_call("other", ("n", "42"), ("s", "hello"), ("o", '{"a": [1]}')) + xml_call("get_weather", ("note", "[1]")),
+         None, [tc("other", n=42, s="hello", o={"a": [1]}), tc("get_weather", note=[1])]),
+    Case("two_functions_in_one_block",
+         "<tool_call>\n" + xml_call("get_weather", ("city", "Oslo"), block=False) + "\n"
+         + xml_call("search", ("exact", "false"), block=False) + "\n</tool_call>",
+         None, [tc("get_weather", city="Oslo"), tc("search", exact=False)]),
+    Case("no_arguments", xml_call("ping"), None, [tc("ping")]),
+    Case("content_after", PARIS + "\nHope that helps.", "Hope that helps.", [tc("get_weather", city="Paris", days=3)]),
+    Case("without_tool_call_tags",
+         "Sure.\n" + xml_call("get_weather", ("days", "2"), block=False) + "\n</tool_call>\nok",
+         "Sure.\nok", [tc("get_weather", days=2)]),
+    Case("without_closing_tool_call", PARIS[:-len("\n</tool_call>")], None, [tc("get_weather", city="Paris", days=3)]),
+    Case("without_closing_parameter",
+         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n3\n</function>\n</tool_call>",
+         None, [tc("get_weather", city="Paris", days=3)]),
+    Case("cut_in_a_value", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+         "<parameter=city>\nPar", None, [tc("get_weather", days=3, city="Par")]),
+    Case("cut_in_a_closing_tag", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</para",
+         None, [tc("get_weather", city="Paris")]),
+    Case("cut_in_the_name", "Hm.\n<tool_call>\n<function=get_wea", "Hm.", [], streamed=[]),
+    Case("no_call", "Just text, with <b>tags</b> and x > 1.\n", "Just text, with <b>tags</b> and x > 1.\n", []),
+    Case("looks_like_markup", "Use <tool or <function to do it", "Use <tool or <function to do it", []),
+    Case("ends_like_markup", "I will <tool_cal", "I will <tool_cal", []),
+    Case("not_a_name", "<tool_call>\n<function=<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>ok", "ok", [],
+         streamed=[]),
+]
+
+ANALYSIS = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Paris"}')
+HARMONY_ANSWER = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+
+GPT_OSS = [
+    Case("one_call", ANALYSIS + HARMONY_CALL, None, [tc("get_weather", city="Paris")]),   # stopped at <|call|>
+    Case("one_call_with_call_token", ANALYSIS + HARMONY_CALL + "<|call|>", None, [tc("get_weather", city="Paris")]),
+    Case("recipient_before_channel", '<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.get_time'
+         '<|channel|>commentary json<|message|>{"tz": "CET"}<|call|>', None, [tc("get_time", tz="CET")]),
+    Case("call_first", ' to=functions.f<|channel|>commentary<|message|>{"a": [1, 2]}', None, [tc("f", a=[1, 2])]),
+    Case("two_calls_after_a_preamble", "<|channel|>commentary<|message|>Let me check.<|end|>" + HARMONY_CALL
+         + '<|call|><|start|>assistant<|channel|>commentary to=functions.search<|message|>' + json.dumps(NESTED),
+         None, [tc("get_weather", city="Paris"), ("search", NESTED)]),
+    Case("tricky_arguments",
+         "<|channel|>commentary to=functions.say<|message|>" + json.dumps(TRICKY, ensure_ascii=False),
+         None, [("say", TRICKY)]),
+    Case("answer", ANALYSIS + HARMONY_ANSWER + "<|return|>", "It is sunny.", []),
+    Case("call_and_answer", HARMONY_CALL + "<|call|>" + HARMONY_ANSWER, "It is sunny.",
+         [tc("get_weather", city="Paris")]),
+    Case("plain_text", "Just text {not: json}", "Just text {not: json}", []),
+    Case("builtin_tool", '<|channel|>analysis to=browser.search<|message|>{"q": "x"}<|call|>', None, []),
+    Case("malformed_json", "<|channel|>commentary to=functions.f<|message|>{\"a\": tru}<|call|>", None, [],
+         streamed=[("f", '{"a": tru}')]),
+    Case("truncated", '<|channel|>commentary to=functions.f<|message|>{"a": "x', None, [],
+         streamed=[("f", '{"a": "x')]),
+    Case("cut_in_the_header", ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.get_wea", None, []),
+]
+HARMONY_MARKUP = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+
 PARSERS = {  # name -> (factory, cases, markup that content never contains)
     "hermes": (HermesToolParser, HERMES, ["<tool_call>", "</tool_call>"]),
     "llama3_json": (Llama3JsonToolParser, LLAMA3, ["<|python_tag|>"]),
@@ -160,6 +258,9 @@ PARSERS = {  # name -> (factory, cases, markup that content never contains)
     "pythonic": (PythonicToolParser, PYTHONIC, ["<|python_start|>", "<|python_end|>"]),
     "required": (RequiredToolsParser, REQUIRED, []),
     "named": (lambda: NamedToolParser("get_weather"), NAMED, []),
+    "qwen3_coder": (lambda: Qwen3CoderToolParser(QWEN_TOOLS), QWEN3_CODER,
+                    ["<tool_call>", "</tool_call>", "<function=", "<parameter="]),
+    "gpt_oss": (GptOssToolParser, GPT_OSS, HARMONY_MARKUP),
 }
 ALL = [pytest.param(name, case, id=f"{name}-{case.id}") for name, (_, cases, _) in PARSERS.items() for case in cases]
 
@@ -243,8 +344,11 @@ def assert_well_formed(parsed: ParsedOutput):
 
 @pytest.mark.parametrize("name,case", ALL)
 def test_every_prefix_is_consistent_with_longer_text(name, case):
+    assert_contract(make(name), case.text)
+
+
+def assert_contract(parser: ToolParser, text: str):
     # consecutive prefixes (consistency is transitive) and each prefix with the whole text, final or not
-    parser, text = make(name), case.text
     whole, final = parser.parse(text, final=False), parser.parse(text, final=True)
     assert_consistent(whole, final)
     previous = parser.parse("", final=False)
@@ -311,14 +415,18 @@ def test_content_deltas_in_order():
 
 
 def test_get_tool_parser():
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["gpt_oss", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
     for name, cls in TOOL_PARSERS.items():
-        parser = get_tool_parser(name)
-        assert type(parser) is cls and parser.name == name
-    with pytest.raises(ValueError, match="known: hermes, llama3_json, mistral, pythonic"):
+        for tools in (None, QWEN_TOOLS):
+            parser = get_tool_parser(name, tools)
+            assert type(parser) is cls and parser.name == name
+        assert cls.reads_harmony == (name == "gpt_oss")
+    with pytest.raises(ValueError, match="known: gpt_oss, hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("nope")
     assert (HermesToolParser.needs_special_tokens, PythonicToolParser.needs_special_tokens) == (False, False)
     assert (Llama3JsonToolParser.needs_special_tokens, MistralToolParser.needs_special_tokens) == (True, True)
+    # Qwen3-Coder's <tool_call> is an added token that is not special; harmony's markers are special
+    assert (Qwen3CoderToolParser.needs_special_tokens, GptOssToolParser.needs_special_tokens) == (False, True)
     assert (RequiredToolsParser.name, NamedToolParser.name) == ("required", "named")
 
 
@@ -348,3 +456,151 @@ def test_content_helpers():
     assert join_content([" a \n"], final=True) == " a \n"
     assert join_content([" a \n"], final=False) == " a"
     assert join_content(["a \n", "  ", " b ", "c "], final=True) == "a\nb\nc "
+
+
+# ---- qwen3_coder: raw values typed by the request's tools -------------------------------------
+
+@pytest.mark.parametrize("schema,raw,value", [
+    ({"type": "string"}, "3", "3"),
+    ({"type": "string"}, "null", "null"),
+    ({"type": "string"}, "  spaced\n", "  spaced\n"),
+    ({"type": ["string", "null"]}, "null", None),
+    ({"type": "integer"}, " 42 ", 42),
+    ({"type": "integer"}, "-7", -7),
+    ({"type": "integer"}, "3.0", 3),
+    ({"type": "integer"}, "three", "three"),
+    ({"type": "integer"}, "3.5", "3.5"),
+    ({"type": "number"}, "2.5", 2.5),
+    ({"type": "number"}, "1e3", 1000.0),
+    ({"type": "number"}, "7", 7),
+    ({"type": "number"}, "inf", "inf"),
+    ({"type": "number"}, "1e999", "1e999"),
+    ({"type": "boolean"}, "True", True),
+    ({"type": "boolean"}, "false", False),
+    ({"type": "boolean"}, "yes", "yes"),
+    ({"type": "null"}, "None", None),
+    ({"type": "object"}, '{"a": [1, {"b": null}]}', {"a": [1, {"b": None}]}),
+    ({"type": "object"}, "{'a': (1, 2), 'b': None, 'c': True}", {"a": [1, 2], "b": None, "c": True}),
+    ({"type": "object"}, "{1, 2}", "{1, 2}"),
+    ({"type": "object"}, "[1]", "[1]"),
+    ({"type": "object"}, '{"a": NaN}', '{"a": NaN}'),
+    ({"type": "array"}, "[1, 'x']", [1, "x"]),
+    ({"type": "array"}, "[" * 100000, "[" * 100000),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "5", 5),
+    ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "5", 5),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "five", "five"),
+    ({"enum": ["c", "f"]}, "c", "c"),
+    ({"enum": [1, 2]}, "2", 2),
+    ({"const": True}, "true", True),
+    ({"type": "int"}, "5", 5),
+    ({}, "true", True),
+    (None, "42", 42),
+    (None, "hello", "hello"),
+    (None, ' {"a": 1} ', {"a": 1}),
+    (None, "NaN", "NaN"),
+])
+def test_parameter_values_take_their_schemas_type(schema, raw, value):
+    got = parameter_value(raw, schema)
+    assert got == value and type(got) is type(value)
+    json.dumps(got, allow_nan=False)
+
+
+def test_schema_types():
+    assert schema_types({"type": ["integer", "null"]}) == ["integer", "null"]
+    assert schema_types({"anyOf": [{"type": "string"}, {"enum": [1, None]}]}) == ["string", "integer", "null"]
+    assert schema_types({"$ref": "#/$defs/x"}) == [] and schema_types("string") == []
+
+
+def test_qwen3_coder_types_values_by_the_requests_tools():
+    text = xml_call("get_weather", ("city", "3"), ("days", "3"))
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": QWEN_TOOLS})
+    parser = plan_tools(body, "qwen3_coder").parser
+    assert [json.loads(c.arguments) for c in extract_tool_calls(parser, text)[1]] == [{"city": "3", "days": 3}]
+    # without the tools every value that is JSON is JSON
+    untyped = get_tool_parser("qwen3_coder")
+    assert [json.loads(c.arguments) for c in extract_tool_calls(untyped, text)[1]] == [{"city": 3, "days": 3}]
+
+
+def test_qwen3_coder_streams_a_parameter_at_a_time():
+    streamer = ToolCallStreamer(Qwen3CoderToolParser(QWEN_TOOLS))
+    assert streamer.feed("Sure. <tool_call>\n<function=get_wea") == StreamDelta("Sure.", [])
+    [announce] = streamer.feed("ther>\n<parameter=city>\nPar").tool_calls
+    assert announce["function"] == {"name": "get_weather", "arguments": ""}
+    assert streamer.feed("is\n</parameter").tool_calls == []
+    deltas = streamer.feed(">\n<parameter=days>\n1").tool_calls
+    assert [d["function"] for d in deltas] == [{"arguments": '{"city": "Paris"'}]
+    # the last parameter and the function close in one delta
+    assert [d["function"] for d in streamer.feed("2\n</parameter>\n</function>").tool_calls] == [
+        {"arguments": ', "days": 12}'}]
+    assert streamer.calls[0].arguments == '{"city": "Paris", "days": 12}'
+    assert streamer.feed("\n</tool_call>", final=True) == StreamDelta("", [])
+
+
+def test_qwen3_coder_holds_back_what_may_be_markup():
+    parser = Qwen3CoderToolParser(QWEN_TOOLS)
+    for tail in ("<tool_c", "<func", "<"):
+        assert parser.parse("Hello " + tail, final=False) == ParsedOutput("Hello", [])
+        assert parser.parse("Hello " + tail, final=True) == ParsedOutput("Hello " + tail, [])
+    after = xml_call("ping", block=False) + "\n</tool"
+    assert parser.parse(after, final=False).content == ""
+    assert parser.parse(after, final=True).content == "</tool"
+
+
+# ---- gpt_oss: calls are harmony messages to functions.NAME ------------------------------------
+
+def test_gpt_oss_names_a_call_once_its_header_is_read():
+    parser = GptOssToolParser()
+    header = "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    assert parser.parse(header, final=False).calls == []
+    [call] = parser.parse(header + "<|message|>", final=False).calls
+    assert (call.name, call.arguments, call.complete) == ("get_weather", "", False)
+    [call] = parser.parse(header + '<|message|>{"city": "Paris"}<|ca', final=False).calls
+    assert (call.arguments, call.complete) == ('{"city": "Paris"}', False)   # the message may go on
+    [call] = parser.parse(header + '<|message|>{"city": "Paris"}<|call|>', final=False).calls
+    assert call.complete
+
+
+@pytest.mark.parametrize("case", GPT_OSS, ids=lambda c: c.id)
+def test_gpt_oss_content_is_the_answer_the_chat_route_reads(case):
+    assert GptOssToolParser().parse(case.text, final=True).content == parse_chat_output(case.text)[0]
+
+
+# ---- any output, however malformed: no exception, and the contract holds -----------------------
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", ">", "\n",
+             " ", "f", "x", "1", "{", "}", "[", "'", '"', "<", "</", "<|start|>", "<|channel|>", "<|message|>",
+             "<|end|>", "<|call|>", "<|return|>", "<|constrain|>", "assistant", "commentary", "final", "analysis",
+             " to=functions.f", " to=", "functions.", "json", "null", "true", "[TOOL_CALLS]", "[ARGS]", "(", ")",
+             "<|python_tag|>", "<|python_start|>", ";", ",", ":", "="]
+
+
+def mutated(text: str, rng: random.Random) -> str:
+    """text with a few random cuts, insertions of markup fragments and repeats."""
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randint(0, len(text))
+        kind = rng.randrange(3)
+        if kind == 0:
+            text = text[:at] + text[at + rng.randint(1, 8):]
+        elif kind == 1:
+            text = text[:at] + rng.choice(FRAGMENTS) + text[at:]
+        else:
+            text = text[:at] + text[max(0, at - rng.randint(1, 12)):]
+    return text
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_malformed_output_never_raises_and_keeps_the_contract(name):
+    rng = random.Random(name)
+    parser, cases = make(name), PARSERS[name][1]
+    for k in range(150):
+        if k % 2:   # a well-formed output of the format, damaged
+            text = mutated(rng.choice(cases).text, rng)
+        else:       # a soup of every format's markup
+            text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
+        assert_contract(parser, text)
+        for call in extract_tool_calls(parser, text)[1]:
+            assert call.name
+            json.loads(call.arguments)
+        for _, chunks in itertools.islice(chunkings(text), 3):
+            stream(parser, chunks, [])

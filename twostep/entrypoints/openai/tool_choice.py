@@ -53,7 +53,7 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
         if auto_parser is None:
             raise ToolChoiceError('"auto" tool choice requires --enable-auto-tool-choice and '
                                   "--tool-call-parser to be set on the server", "tool_choice")
-        return ToolPlan(get_tool_parser(auto_parser), None, max_calls, template_tools)
+        return ToolPlan(get_tool_parser(auto_parser, template_tools), None, max_calls, template_tools)
     if choice == "none":
         return ToolPlan(None, None, None, template_tools)
     if _constrained(body):

@@ -53,6 +53,16 @@ class ToolParser:
     name: ClassVar[str]  # the --tool-call-parser value
     # True when the markup is a special token that detokenizing with skip_special_tokens=True drops
     needs_special_tokens: ClassVar[bool] = False
+    # True when the calls are harmony messages of their own (gpt-oss): the parser reads the whole output,
+    # channels and all, instead of the answer the reasoning parser leaves
+    reads_harmony: ClassVar[bool] = False
+
+    @classmethod
+    def for_tools(cls, tools: list[dict]) -> ToolParser:
+        """The parser for one request with these tools (OpenAI function tools, as the chat template
+        sees them). Formats that write JSON need no tools; one that writes raw values
+        (qwen3_coder) reads their types from the tools' parameter schemas."""
+        return cls()
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
