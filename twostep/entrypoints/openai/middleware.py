@@ -1,5 +1,5 @@
 """ASGI middleware in front of every route: the request body's size limit (413) and the API key
-(401), both answered before a route reads the body.
+(401), both answered before a route reads the body, in the shape the route speaks (errors.py).
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ipaddress
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twostep.entrypoints.openai.errors import error_response
+from twostep.entrypoints.openai.errors import error_response_for
 
 
 class BodySizeLimit:
@@ -40,25 +40,28 @@ class BodySizeLimit:
         return f"the request body is over {self.max_bytes:,} bytes (the server's --max-request-body-bytes)"
 
     async def _refuse(self, scope, receive, send):
-        await error_response(413, self._message())(scope, receive, send)
+        await error_response_for(scope["path"], 413, self._message())(scope, receive, send)
 
 
 class RequireAPIKey:
-    """Bearer authentication on every route but open_paths. Pure ASGI (not BaseHTTPMiddleware,
-    under which a handler can no longer see its client disconnect)."""
+    """The API key on every route but open_paths, as `Authorization: Bearer <key>` (OpenAI's SDKs)
+    or `x-api-key: <key>` (Anthropic's). Pure ASGI (not BaseHTTPMiddleware, under which a handler
+    can no longer see its client disconnect)."""
 
     def __init__(self, app, api_key: str, open_paths: set[str]) -> None:
         self.app, self.open_paths = app, open_paths
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        headers = dict(scope.get("headers") or [])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        if bearer_ok or key_ok:
             return await self.app(scope, receive, send)
-        response = error_response(401, "missing or wrong API key: send the header "
-                                       "'Authorization: Bearer <key>' with the server's --api-key")
+        response = error_response_for(scope["path"], 401, "missing or wrong API key: send the header "
+                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>' with the server's --api-key")
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
