@@ -163,13 +163,15 @@ def save_tokenizer(folder: Path) -> None:
     }))
 
 
-def make_tiny_model(folder: Path, arch: str, **overrides) -> Path:
+def make_tiny_model(folder: Path, arch: str, auto_class: str = "AutoModelForCausalLM", **overrides) -> Path:
+    """auto_class: the transformers class that builds it (AutoModel: a base model without an lm_head,
+    AutoModelForSequenceClassification: a classifier; pooling models)."""
     import transformers
 
     config_cls, extra = ARCH_CONFIGS[arch]
     config = getattr(transformers, config_cls)(**{**_BASE, **extra, **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases, which would hide a dropped bias
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_bias")):

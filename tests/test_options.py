@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from twostep.cli import SPECULATIVE_PREFIX, add_engine_args, engine_config_from
-from twostep.config import EngineConfig, SpeculativeConfig
+from twostep.cli import POOLER_PREFIX, SPECULATIVE_PREFIX, add_engine_args, engine_config_from
+from twostep.config import EngineConfig, PoolerConfig, SpeculativeConfig
 from twostep.config.options import declared
 from twostep.config.reference import usage_markdown
 
@@ -27,9 +27,11 @@ def test_every_flag_is_a_field_and_every_field_a_flag():
     dests = {a.dest for a in engine_parser()._actions if a.dest != "help"}
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     speculative = {SPECULATIVE_PREFIX + f.name for f in dataclasses.fields(SpeculativeConfig)}
-    assert dests <= engine | speculative, f"flags without a config field: {sorted(dests - engine - speculative)}"
+    pooler = {POOLER_PREFIX + f.name for f in dataclasses.fields(PoolerConfig)}
+    known = engine | speculative | pooler
+    assert dests <= known, f"flags without a config field: {sorted(dests - known)}"
     assert engine <= dests, f"config fields without a flag: {sorted(engine - dests)}"
-    assert speculative <= dests
+    assert speculative <= dests and pooler <= dests
     assert all(f.name in {g.name for g, _ in declared(EngineConfig)} for f in dataclasses.fields(EngineConfig))
 
 
@@ -44,6 +46,10 @@ def test_the_flags_defaults_are_the_configs():
     (["--kv-cache-memory-fraction", "0.5"], "kv_cache_memory_fraction", 0.5), (["-tp", "2"], "tensor_parallel_size", 2),
     (["--num-speculative-tokens", "3", "--speculative-method", "ngram"], "speculative_config",
      SpeculativeConfig("ngram", num_speculative_tokens=3)),
+    (["--task", "embed"], "convert", "embed"), (["--runner", "pooling", "--pooling-type", "mean", "--no-normalize"],
+                                                "pooler_config", PoolerConfig("MEAN", False)),
+    (["--pooler-config", '{"pooling_type": "CLS", "activation": false}', "--pooling-type", "last"], "pooler_config",
+     PoolerConfig("LAST", activation=False)),
 ])
 def test_a_flag_sets_its_field(argv, field, value):
     assert getattr(engine_config_from(engine_parser().parse_args(argv)), field) == value

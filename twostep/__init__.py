@@ -10,7 +10,9 @@ _collecting = _gc.isenabled()
 _gc.disable()
 try:
     from twostep.config import EngineConfig
-    from twostep.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from twostep.outputs import (CompletionOutput, EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestMetrics,
+                                 RequestOutput, ScoringRequestOutput)
+    from twostep.pooling_params import PoolingParams
     from twostep.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 finally:
     _gc.freeze()
@@ -18,7 +20,8 @@ finally:
         _gc.enable()
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "RequestMetrics", "Logprob"]
+           "CompletionOutput", "RequestMetrics", "Logprob", "PoolingParams", "PoolingRequestOutput",
+           "EmbeddingRequestOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"
 
 

@@ -8,19 +8,22 @@ import sys
 from pathlib import Path
 
 from twostep import __version__
-from twostep.config import EngineConfig, SpeculativeConfig
+from twostep.config import EngineConfig, PoolerConfig, SpeculativeConfig
 from twostep.config.options import add_options, options_from
+from twostep.entrypoints.reasoning import REASONING_PARSERS
 from twostep.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """A flag for each EngineConfig option, and the --speculative-* short forms of its speculative
-    config's keys (twostep/config/options.py; docs/usage.md lists them)."""
+    """A flag for each EngineConfig option, and the short forms of its speculative config's and its
+    pooler config's keys (twostep/config/options.py; docs/usage.md lists them)."""
     add_options(p, EngineConfig)
     add_options(p, SpeculativeConfig, dest_prefix=SPECULATIVE_PREFIX)
+    add_options(p, PoolerConfig, dest_prefix=POOLER_PREFIX)
 
 
 SPECULATIVE_PREFIX = "speculative."     # the --speculative-* flags' dests, apart from the engine's
+POOLER_PREFIX = "pooler."               # --pooling-type, --normalize, --activation
 
 
 def speculative_config_from(args: argparse.Namespace) -> dict | None:
@@ -31,8 +34,17 @@ def speculative_config_from(args: argparse.Namespace) -> dict | None:
     return config or None
 
 
+def pooler_config_from(args: argparse.Namespace) -> dict | None:
+    """--pooler-config's JSON with --pooling-type, --normalize and --activation laid over it."""
+    base = PoolerConfig.parse(args.pooler_config)
+    config = {} if base is None else {k: getattr(base, k) for k in base.__slots__ if getattr(base, k) is not None}
+    config |= options_from(args, PoolerConfig, POOLER_PREFIX)
+    return config or None
+
+
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{**options_from(args, EngineConfig), "speculative_config": speculative_config_from(args)})
+    return EngineConfig(**{**options_from(args, EngineConfig), "speculative_config": speculative_config_from(args),
+                           "pooler_config": pooler_config_from(args)})
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +104,21 @@ def _serve_parser(sub) -> None:
                    help='tool_choice "auto": read tool calls out of the model\'s output (needs '
                         "--tool-call-parser)")
     p.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   choices=["gpt_oss", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, and the fallback "
                         "for templates without tools), llama3_json (Llama 3.1/3.2), mistral, pythonic "
-                        "(Llama 3.2/4)")
+                        "(Llama 3.2/4), qwen3_coder (Qwen3-Coder's XML), gpt_oss (harmony)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the chain of thought from the answer into message.reasoning (and "
+                        "reasoning_content): deepseek_r1 (R1 and its distills), qwen3 (Qwen3, Qwen3.5, "
+                        "QwQ), think (other <think> models), gpt_oss (harmony; a harmony model gets it "
+                        "anyway)")
+    p.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with a reasoning parser, structured outputs constrain the whole output, "
+                        "thinking included (default: only the answer after it, as vLLM)")
+    p.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="responses the Responses API keeps for GET /v1/responses/{id} and previous_response_id "
+                        "(store: true); past it the least recently used go (0: none kept)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="sequences (prompts x n) the server queues beyond those it runs: one request "
                         "asking for more gets 400, one arriving at a full queue 503 with Retry-After "
@@ -187,7 +210,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           model_aliases=(args.model,) if args.model else (),
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+                          max_stored_responses=args.max_stored_responses)
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
     rc = run_server(engine, config, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level,

@@ -1,7 +1,12 @@
-"""What the engine hands back: vLLM-shaped RequestOutput with per-request metrics."""
+"""What the engine hands back: vLLM-shaped RequestOutput with per-request metrics; a pooling request's
+PoolingRequestOutput and the embedding, classification and score outputs made from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -152,3 +157,95 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None   # a producer's finished prefill: where its KV blocks wait
+
+
+# ---- pooling requests (embeddings, classification, scores): one vector each, no tokens --------------
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's vector (vLLM's): an embedding, or a classifier's probabilities (or logits
+    with activation off); float32, on the CPU."""
+
+    data: "torch.Tensor"
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's): it comes when the prompt has run through the model.
+    outputs is None only when the request ended without a vector (aborted, timed out)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    metrics: RequestMetrics
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None         # "stop" with a vector, else why it ended ("abort", "length")
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "EmbeddingOutput":
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]                       # per label (raw logits with activation off)
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> "ClassificationOutput":
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float                             # a cross-encoder's probability (or logit), or a cosine similarity
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One (text_1, text_2) pair's score; prompt_token_ids: the pair's prompt (a cross-encoder's) or
+    both texts' tokens one after the other (an embedding model's)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -8,6 +8,7 @@ import torch
 from twostep.config.kv_cache_dtype import canonical_kv_dtype, kv_format
 from twostep.config.kv_transfer import KVTransferConfig
 from twostep.config.options import option
+from twostep.config.pooling import CONVERTS, RUNNERS, TASKS, PoolerConfig, runner_and_convert
 from twostep.config.speculative import SpeculativeConfig
 
 # --quantization (vLLM's flag): kept here with the other choices the config checks
@@ -113,6 +114,20 @@ class EngineConfig:
     distributed_timeout_s: float = option(60.0, "a rank that does not answer within this many seconds ends "
                                           "the engine", flag="--distributed-timeout", metavar="S",
                                           group="tensor parallelism")
+    runner: str = option("auto", "generate: completions and chat from a causal LM; pooling: embeddings, "
+                         "classification and scores (vLLM's runner); auto: pooling for a checkpoint made for it "
+                         "(a *Model base class such as Qwen3Model, a *ForSequenceClassification, a "
+                         "sentence-transformers folder), else generate", choices=RUNNERS, group="pooling")
+    convert: str = option("auto", "what the pooling runner makes of the checkpoint (vLLM's): embed (the pooled "
+                          "final hidden state), classify (its score head on the last token); auto: classify where "
+                          "the checkpoint has a score head, else embed", choices=CONVERTS, group="pooling")
+    task: str | None = option(None, "vLLM's older spelling of --runner and --convert: generate, embed, classify, "
+                              "score (a pooling runner; the checkpoint says embed or classify)",
+                              choices=tuple(TASKS), group="pooling")
+    pooler_config: PoolerConfig | dict | str | None = option(
+        None, 'the pooler over what the checkpoint says, vLLM\'s JSON: e.g. \'{"pooling_type": "MEAN", '
+        '"normalize": false}\' (the --pooling-type, --normalize, --activation flags override its keys)',
+        metavar="JSON", group="pooling")
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)
@@ -144,3 +159,7 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+        self.runner, self.convert = runner_and_convert(self.runner, self.convert, self.task)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.runner == "generate" and (self.pooler_config is not None or self.convert != "auto"):
+            raise ValueError("pooler_config and convert apply to the pooling runner, not --runner generate")

@@ -12,6 +12,7 @@ import torch
 
 from twostep.kv.state_slots import StateStep
 from twostep.outputs import PositionLogprobs
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import SamplingParams
 
 
@@ -24,8 +25,10 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]          # generated before (a request resumed after preemption)
     params: SamplingParams | None        # None for a runner that does not sample (tensor-parallel
-                                         # workers, a draft model's runner): no outputs kept either
+                                         # workers, a draft model's runner) and for a pooling request:
+                                         # no outputs kept either
     generator: torch.Generator | None = None
+    pooling: PoolingParams | None = None     # a pooling request: its prompt's hidden states are pooled
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class StepResult:
     # kept: its known tokens, then the accepted drafts, [n, hidden]; a view of the step's, and only
     # where the runner keeps them (keep_hidden: MTP speculation drafts from them)
     hidden: torch.Tensor | None = None
+    # a pooling request whose prompt this step completed: its vector (float32, CPU); it samples nothing
+    pooled: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -111,3 +116,4 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     stopped_on_token: bool = False   # the last new token is the EOS or stop token that ended it
     kv_transfer_params: dict | None = None   # a producer's finished request: where its blocks wait
+    pooled: torch.Tensor | None = None       # a pooling request's vector: it finished with it

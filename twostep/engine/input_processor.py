@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from twostep.config import EngineConfig
+from twostep.config import EngineConfig, PoolingModel
 from twostep.core.scheduling.request import Request
 from twostep.engine.parallel_sampling import ParentRequest, child_params
 from twostep.outputs import RequestMetrics, SpecDecodeStats
+from twostep.pooling_params import PoolingParams
 from twostep.sample.sampler import make_generator
 from twostep.sampling_params import SamplingParams
 from twostep.structured_output.compiler import GrammarCompiler
@@ -42,18 +43,27 @@ class ModelLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, config: EngineConfig, limits: ModelLimits,
-                 device: torch.device, speculative: bool, grammars: GrammarCompiler) -> None:
+                 device: torch.device, speculative: bool, grammars: GrammarCompiler,
+                 pooling: PoolingModel | None = None, can_generate: bool = True) -> None:
+        """pooling: what a pooling engine computes (None: it takes no PoolingParams); can_generate:
+        the model has an lm_head (a pooling checkpoint may have none)."""
         self.tokenizer, self.config, self.limits = tokenizer, config, limits
         self.device, self.speculative = device, speculative
         self.grammars = grammars
+        self.pooling, self.can_generate = pooling, can_generate
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """A conversation through the model's chat template, as token ids."""
         return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
 
-    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+    def process(self, prompt: PromptInput, params: SamplingParams | PoolingParams, request_id: str,
                 arrival_time: float) -> ProcessedPrompt:
         """Raises ValueError naming what is wrong with the prompt or params."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(prompt, params, request_id, arrival_time)
+        if not self.can_generate:
+            raise ValueError("this model has no lm_head (a pooling checkpoint): it makes embeddings or scores "
+                             "(PoolingParams: LLM.embed, LLM.score), it does not generate")
         params = self._resolve(params)
         self._check_params(params)
         text, ids = self._tokenize(prompt)
@@ -70,6 +80,30 @@ class InputProcessor:
         children = [self._make_request(cid, ids, child_params(params, i), arrival_time)
                     for i, cid in enumerate(parent.child_ids)]
         return ProcessedPrompt(text, children, parent)
+
+    def _process_pooling(self, prompt: PromptInput, params: PoolingParams, request_id: str,
+                         arrival_time: float) -> ProcessedPrompt:
+        """A pooling request: prefill only, so its prompt may fill max_model_len."""
+        pooling = self.pooling
+        if pooling is None:
+            raise ValueError("this engine generates (--runner generate): it has no pooler; start it with "
+                             "--runner pooling (an embedding or classification model) for embeddings and scores")
+        if params.task not in (None, pooling.task):
+            does = {"embed": "makes embeddings", "classify": "classifies"}
+            raise ValueError(f"this model {does[pooling.task]} (--convert {pooling.task}); it cannot serve "
+                             f"{params.task!r} requests")
+        pooling.check_dimensions(params.dimensions)
+        if isinstance(prompt, str) and prompt:      # as the model reads a text (maybe as a chat message)
+            text, ids = prompt, pooling.encode_text(self.tokenizer, prompt)
+        else:
+            text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        self._check_prompt(ids, generates=False)
+        request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                          metrics=RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(ids)),
+                          max_total_tokens=len(ids), pools_every_position=pooling.needs_every_position)
+        return ProcessedPrompt(text, [request])
 
     def _make_request(self, request_id: str, ids: list[int], params: SamplingParams,
                       arrival_time: float) -> Request:
@@ -129,16 +163,19 @@ class InputProcessor:
         if params.n > c.max_n:
             raise ValueError(f"n must be <= {c.max_n}, got {params.n}")
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def _check_prompt(self, ids: list[int], generates: bool = True) -> None:
+        """generates: room for at least one generated token too (a pooling request needs none)."""
         vocab, max_len = self.limits.vocab_size, self.limits.max_model_len
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(ids) >= max_len:
+        if generates and len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}, "
                              "which must leave room for at least one generated token")
-        if len(ids) + 1 > self.limits.kv_capacity_tokens:
+        if len(ids) > max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        if len(ids) + generates > self.limits.kv_capacity_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens but the whole KV cache holds "
                              f"{self.limits.kv_capacity_tokens}; raise --kv-cache-memory")

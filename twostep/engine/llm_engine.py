@@ -28,8 +28,10 @@ from twostep.kv_transfer.connector import KVConnector
 from twostep.kv_transfer.factory import make_connector
 from twostep.kv_transfer.params import RemotePrefill
 from twostep.models.loader import resolve_model_path
-from twostep.outputs import RequestOutput
+from twostep.models.pooling import resolve_pooling
+from twostep.outputs import PoolingRequestOutput, RequestOutput
 from twostep.platforms import get_platform, resolve_device, resolve_dtype
+from twostep.pooling_params import PoolingParams
 from twostep.sample.sampler import Sampler
 from twostep.sampling_params import SamplingParams
 from twostep.spec_decode.proposer import make_proposer
@@ -58,8 +60,14 @@ class LLMEngine:
                         self.platform.default_dtype_reason())
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed),
                           argmax=self.platform.custom_op("first_argmax", torch.float32))
-        model_spec = ModelSpec(resolve_model_path(config.model), self.dtype, self.platform, config.max_model_len,
-                               attention_backend=config.attention_backend, quantization=config.quantization, tp=tp)
+        model_path = resolve_model_path(config.model)
+        # a pooling engine's vectors (config/pooling.py), or None: it generates
+        self.pooling = resolve_pooling(model_path, config.runner, config.convert, config.pooler_config)
+        if self.pooling is not None:
+            _check_pooling_config(config)
+        model_spec = ModelSpec(model_path, self.dtype, self.platform, config.max_model_len,
+                               attention_backend=config.attention_backend, quantization=config.quantization, tp=tp,
+                               pooling=self.pooling)
         cache_spec = CacheSpec(config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
                                config.num_kv_blocks, config.kv_cache_memory, config.kv_cache_memory_fraction,
                                config.max_num_seqs, config.max_num_batched_tokens, config.gpu_memory_utilization)
@@ -99,7 +107,8 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, t.config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, config, limits, self.device,
                                               speculative=self.proposer is not None,
-                                              grammars=self.grammar_compiler)
+                                              grammars=self.grammar_compiler, pooling=self.pooling,
+                                              can_generate=self.can_generate)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.tracer: StepTracer | None = None          # set by enable_tracing()
         self._pending: list[RequestOutput] = []        # aborts' final outputs, for the next step()
@@ -107,6 +116,10 @@ class LLMEngine:
         logger.info("model %s: %s, %d layers, dtype %s on %s, max_model_len %d", t.path,
                     t.config.architecture, t.config.num_layers, str(self.dtype).removeprefix("torch."),
                     self.device, self.max_model_len)
+        if self.pooling is not None:
+            p = self.pooling
+            logger.info("pooling runner: %s, %s pooling%s", p.task, p.pooling_type,
+                        f", normalized: {p.normalize}" if p.task == "embed" else f", {p.num_labels} labels")
 
     def _pin_rank0(self, tp: TensorParallel, cores: list[int]) -> None:
         """Rank 0's share of this machine's cores (all ranks here, or torchrun's ranks on it)."""
@@ -135,10 +148,15 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    @property
+    def can_generate(self) -> bool:
+        """The model has an lm_head (a pooling checkpoint may have none: then it only pools)."""
+        return self.model.lm_head is not None
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One scheduling decision, one forward pass, one token (or a few, with speculative
-        decoding) for each request that completed its known tokens. Returns outputs of requests
-        that changed."""
+        decoding) for each request that completed its known tokens, and its vector for each pooling
+        request whose prompt the step completed. Returns outputs of requests that changed."""
         start = time.monotonic()
         if self.kv_connector is not None:
             self.kv_connector.write_loaded(self.runner.write_blocks)
@@ -200,16 +218,18 @@ class LLMEngine:
             found["temperature"] = 0.0
         return SamplingParams(**found)
 
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
         """Validate, tokenize and queue a request; raises ValueError on bad input, leaving
         the engine and every other request untouched. priority counts with
-        scheduling_policy "priority" (lower first); any other policy takes only 0."""
+        scheduling_policy "priority" (lower first); any other policy takes only 0. PoolingParams
+        (a pooling engine's; its default without params): the request ends with its pooled vector."""
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} needs scheduling_policy 'priority' "
                              "(--scheduling-policy priority); this engine serves first come, first served")
-        params = params or self.default_sampling_params()
+        if params is None:
+            params = PoolingParams() if self.pooling is not None else self.default_sampling_params()
         if request_id is None:
             request_id = self._new_id()
         processed = self.input_processor.process(prompt, params, request_id,
@@ -226,10 +246,12 @@ class LLMEngine:
             self.scheduler.add_request(request)
         return request_id
 
-    def _attach_kv_transfer(self, requests, params: SamplingParams) -> None:
+    def _attach_kv_transfer(self, requests, params: SamplingParams | PoolingParams) -> None:
         """kv_transfer_params (vLLM: in SamplingParams.extra_args): do_remote_decode keeps the
         finished prefill's blocks for a consumer; do_remote_prefill loads the prompt's KV from
         the producer they name. Checked here, so a bad one is a ValueError before anything runs."""
+        if isinstance(params, PoolingParams):
+            return
         kv = (params.extra_args or {}).get("kv_transfer_params")
         if kv is None:
             return
@@ -330,6 +352,16 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by requests (cached-but-evictable blocks count as free)."""
         return self.scheduler.kv_cache_usage
+
+
+def _check_pooling_config(config: EngineConfig) -> None:
+    """What a pooling engine does not combine with: its requests draft nothing, move no KV, and the
+    pooler runs on one process's hidden states."""
+    for name, unsupported in (("speculative_config", config.speculative_config),
+                              ("kv_transfer_config", config.kv_transfer_config),
+                              ("tensor_parallel_size > 1", config.tensor_parallel_size > 1)):
+        if unsupported:
+            raise ValueError(f"the pooling runner does not run with {name}")
 
 
 def _make_tokenizer(source) -> Tokenizer:

@@ -18,7 +18,8 @@ from twostep.core.scheduling.request import Request
 from twostep.engine.input_processor import ProcessedPrompt
 from twostep.engine.parallel_sampling import ParentRequest
 from twostep.engine.trace import StepTracer
-from twostep.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from twostep.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput, PositionLogprobs, RequestMetrics,
+                             RequestOutput)
 from twostep.sampling_params import RequestOutputKind, SamplingParams
 from twostep.tokenizer.detokenizer import IncrementalDetokenizer
 from twostep.tokenizer.tokenizer import Tokenizer
@@ -43,8 +44,18 @@ class RequestState:
 
 
 @dataclass(slots=True)
+class PoolingState:
+    """A pooling request as the user sees it: one output, when it ends (with its vector, or without)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
 class ProcessedOutputs:
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     stopped_by_string: list[tuple[str, str]] = field(default_factory=list)   # (request id, stop string)
 
 
@@ -52,19 +63,24 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.pooling: dict[str, PoolingState] = {}   # pooling requests (no text, no tokens)
         self.parents: dict[str, ParentRequest] = {}  # n > 1: parent and child ids -> parent
         self.num_generated_tokens = 0
         self.tracer: StepTracer | None = None
 
     def add(self, processed: ProcessedPrompt) -> None:
         for request in processed.requests:
+            if request.pooling_params is not None:
+                self.pooling[request.request_id] = PoolingState(request.request_id, processed.prompt,
+                                                                request.prompt_token_ids, request.metrics)
+                continue
             self.states[request.request_id] = self._state(processed.prompt, request)
         if processed.parent is not None:
             for rid in processed.request_ids:
                 self.parents[rid] = processed.parent
 
     def is_known(self, request_id: str) -> bool:
-        return request_id in self.states or request_id in self.parents
+        return request_id in self.states or request_id in self.parents or request_id in self.pooling
 
     def expand_parents(self, request_ids: Iterable[str]) -> list[str]:
         """A parent's id stands for its children."""
@@ -78,6 +94,11 @@ class OutputProcessor:
         result = ProcessedOutputs()
         now = time.monotonic()
         for core in core_outputs:
+            if core.request_id in self.pooling:
+                if core.finish_reason is not None:
+                    result.outputs.append(self._pooling_output(core.request_id, core.finish_reason,
+                                                               core.stop_reason, core.pooled, now))
+                continue
             state = self.states[core.request_id]
             if core.new_prompt_logprobs:
                 if state.params.detokenize:
@@ -103,12 +124,26 @@ class OutputProcessor:
                 result.outputs.append(out)
         return result
 
-    def finish(self, request_id: str, finish_reason: str, stop_reason: int | str | None) -> RequestOutput:
+    def finish(self, request_id: str, finish_reason: str,
+               stop_reason: int | str | None) -> RequestOutput | PoolingRequestOutput:
         """The final output of a request ended from outside (abort, timeout)."""
+        if request_id in self.pooling:
+            return self._pooling_output(request_id, finish_reason, stop_reason, None, time.monotonic())
         state = self.states[request_id]
         self._finish(state, finish_reason, stop_reason, time.monotonic())
         out = self._make_output(state, None)
         return _of_kind(out, state.params.output_kind) or out
+
+    def _pooling_output(self, request_id: str, reason: str, stop_reason: int | str | None,
+                        vector, now: float) -> PoolingRequestOutput:
+        """A pooling request's one output: its vector (None when it ended without one)."""
+        state = self.pooling.pop(request_id)
+        state.metrics.finished_time = now
+        if self.tracer is not None:
+            self.tracer.record_request(request_id, state.metrics, reason)
+        return PoolingRequestOutput(request_id, None if vector is None else PoolingOutput(vector),
+                                    state.prompt_token_ids, True, state.metrics, state.prompt,
+                                    state.metrics.num_cached_tokens, reason, stop_reason)
 
     def _decode_logprob_tokens(self, entry: PositionLogprobs) -> None:
         """Fill each Logprob's decoded_token (the token's own text, special tokens included)."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from twostep.engine.llm_engine import LLMEngine
-from twostep.outputs import RequestOutput
+from twostep.outputs import PoolingRequestOutput, RequestOutput
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class QueueFullError(RuntimeError):
 @dataclass
 class _Add:
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     request_id: str
     sink: asyncio.Queue
     priority: int = 0
@@ -45,7 +46,8 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
                  request_timeout: float | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine, list[RequestOutput | PoolingRequestOutput]], None] | None = None,
+                 ) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
@@ -82,7 +84,7 @@ class AsyncEngine:
         self._ids += 1
         return f"{prefix}-{self._ids}"
 
-    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    async def add(self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str,
                   sink: asyncio.Queue | None = None, priority: int = 0) -> asyncio.Queue:
         """Queue a request; raises ValueError (bad input) or QueueFullError before any output.
         Outputs go to `sink` (several requests may share one: outputs carry their request_id)."""
@@ -160,11 +162,11 @@ class AsyncEngine:
             self.engine.abort_request(list(self._sinks) if cmd.request_id is None else cmd.request_id)
             return
         try:
-            # n > 1 fans out into n sequences, each of which waits
-            waiting = self.engine.num_waiting
-            if self.max_queued_requests is not None and waiting + cmd.params.n > self.max_queued_requests:
+            # n > 1 fans out into n sequences, each of which waits (a pooling request is one)
+            waiting, adds = self.engine.num_waiting, cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
+            if self.max_queued_requests is not None and waiting + adds > self.max_queued_requests:
                 raise QueueFullError(f"the server has {waiting} requests waiting, this one adds "
-                                     f"{cmd.params.n} (--max-queued-requests {self.max_queued_requests}); "
+                                     f"{adds} (--max-queued-requests {self.max_queued_requests}); "
                                      "retry later")
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
         except Exception as e:  # ValueError for bad input, QueueFullError: the caller's problem
@@ -182,7 +184,7 @@ class AsyncEngine:
             logger.info("request %s ran past --request-timeout %.1fs", rid, self.request_timeout)
             self.engine.abort_request(rid, finish_reason="length", stop_reason="timeout")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         batch = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)

@@ -5,12 +5,17 @@ import dataclasses
 from collections import deque
 from typing import Iterator, Sequence
 
+import torch
 from tqdm import tqdm
 
-from twostep.config import EngineConfig
+from twostep.config import EngineConfig, PoolingModel
 from twostep.engine.llm_engine import LLMEngine
-from twostep.entrypoints.harmony import is_harmony_tokenizer, parse_chat_output, turn_end_token_ids
-from twostep.outputs import CompletionOutput, RequestOutput
+from twostep.entrypoints.harmony import is_harmony_tokenizer, turn_end_token_ids
+from twostep.entrypoints.reasoning import ReasoningParser, ReasoningSplit
+from twostep.entrypoints.reasoning_plan import defer_constraint, plan_reasoning
+from twostep.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput,
+                             PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -82,6 +87,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             reasoning_parser: str | None = None, structured_outputs_in_reasoning: bool = False,
              ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or several, through the chat template
         (the model's, or chat_template: a template's text or name). tools: OpenAI-style tool
@@ -89,10 +95,11 @@ class LLM:
         in the system message, see tokenizer/tool_prompt.py). continue_final_message: the model
         continues the last (assistant) message; pass add_generation_prompt=False with it.
 
-        A model that speaks harmony (gpt-oss, see entrypoints/harmony.py) answers in channels: each
-        output's text is then its answer (the final channel; "" if generation ended before it) and
-        each output is a ChatCompletionOutput whose ``reasoning`` holds its chain of thought (the
-        analysis channel); token_ids are all the tokens generated."""
+        reasoning_parser (the server's --reasoning-parser names, see entrypoints/reasoning.py):
+        each output is a ChatCompletionOutput whose text is the answer and whose ``reasoning`` is
+        the chain of thought (None if there was none); a structured-output constraint applies to
+        the answer (structured_outputs_in_reasoning: to the whole output). A model that speaks harmony (gpt-oss, see entrypoints/harmony.py) always gets
+        this split (its answer is the final channel). token_ids are all the tokens generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         extra = dict(chat_template_kwargs or {})
         if tools:
@@ -101,19 +108,22 @@ class LLM:
             extra["chat_template"] = chat_template
         if continue_final_message:
             extra["continue_final_message"] = True
-        prompts = [{"prompt_token_ids": self.engine.input_processor.encode_chat(c, add_generation_prompt,
-                                                                                **extra)}
-                   for c in conversations]
-        if not is_harmony_tokenizer(self.tokenizer):
-            return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = [self.engine.input_processor.encode_chat(c, add_generation_prompt, **extra) for c in conversations]
+        plans = [plan_reasoning(self.tokenizer, reasoning_parser, structured_outputs_in_reasoning, chat_template_kwargs,
+                                ids) for ids in prompts]
         params = _as_params_list(sampling_params or self.engine.default_sampling_params(), len(prompts))
-        stops = turn_end_token_ids(self.tokenizer)
-        params = [dataclasses.replace(p, skip_special_tokens=False,   # channels are special tokens
-                                      stop_token_ids=list(dict.fromkeys(p.stop_token_ids + stops)))
-                  for p in params]
-        outputs = self.generate(prompts, params, use_tqdm)
-        for out in outputs:
-            out.outputs = [ChatCompletionOutput.of_harmony(c) for c in out.outputs]
+        params = [dataclasses.replace(p) for p in params]
+        for p, plan in zip(params, plans):
+            defer_constraint(plan, p)
+        if is_harmony_tokenizer(self.tokenizer):
+            stops = turn_end_token_ids(self.tokenizer)
+            params = [dataclasses.replace(p, skip_special_tokens=False,   # channels are special tokens
+                                          stop_token_ids=list(dict.fromkeys(p.stop_token_ids + stops)))
+                      for p in params]
+        outputs = self.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm)
+        for out, plan in zip(outputs, plans):
+            if plan.parser is not None or reasoning_parser is not None:
+                out.outputs = [ChatCompletionOutput.of(c, plan.parser) for c in out.outputs]
         return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -133,6 +143,56 @@ class LLM:
         finally:
             self._queues.pop(rid, None)
             self.engine.abort_request(rid)   # no-op once finished; frees blocks if abandoned
+
+    # ---- pooling models (--runner pooling): embeddings, classification, scores ----------------------
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector (vLLM's LLM.encode), in input order; the prompts are batched and
+        chunked like any others. Needs a pooling engine (runner pooling)."""
+        if self.engine.pooling is None:
+            raise ValueError("this LLM generates (runner generate): pooling needs LLM(model, runner='pooling') "
+                             "and an embedding or classification model")
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, params), use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (.outputs.embedding), as vLLM's LLM.embed."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (.outputs.probs), as vLLM's LLM.classify."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: text_1 (one text) against each of text_2, or the two lists pair by pair.
+        A classifier of one label (a cross-encoder) reads each pair as one prompt, joined as its
+        tokenizer joins a pair; an embedding model scores the cosine similarity of the two embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        pooling = self.engine.pooling
+        if pooling is not None and pooling.task == "classify":
+            check_cross_encoder(pooling)
+            prompts = [{"prompt_token_ids": self.tokenizer.encode_pair(a, b)} for a, b in pairs]
+            outs = self.encode(prompts, dataclasses.replace(pooling_params or PoolingParams(), task="classify"),
+                               use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.encode(texts, dataclasses.replace(pooling_params or PoolingParams(),
+                                                                          task="embed"), use_tqdm)))
+        return [_cosine_output(embedded[a], embedded[b]) for a, b in pairs]
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
                  priority: list[int] | None = None) -> list[str]:
@@ -179,16 +239,18 @@ class LLM:
 
 @dataclasses.dataclass(slots=True)
 class ChatCompletionOutput(CompletionOutput):
-    """A chat output of a harmony model: text is the answer, reasoning the chain of thought (None
-    if there was none)."""
+    """A chat output split by a reasoning parser: text is the answer, reasoning the chain of thought
+    (None if there was none)."""
 
     reasoning: str | None = None
 
     @classmethod
-    def of_harmony(cls, c: CompletionOutput) -> "ChatCompletionOutput":
-        answer, reasoning = parse_chat_output(c.text)
+    def of(cls, c: CompletionOutput, parser: ReasoningParser | None) -> "ChatCompletionOutput":
+        """parser None: the request turned thinking off, the text is all answer."""
+        split = parser.split(c.text, final=True) if parser is not None else ReasoningSplit("", c.text)
         fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
-        return cls(**{**fields, "text": answer, "delta_text": answer}, reasoning=reasoning)
+        return cls(**{**fields, "text": split.content, "delta_text": split.content},
+                   reasoning=split.reasoning or None)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
@@ -219,3 +281,39 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
             return prompt["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     return prompt
+
+
+# ---- scores (LLM.score and the server's /v1/score and /v1/rerank) --------------------------------------
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing: one text_1 against every text_2, or two lists of one length pair by pair."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not first or not second:
+        raise ValueError("text_1 and text_2 need at least one text each")
+    if any(not isinstance(t, str) or not t for t in first + second):
+        raise ValueError("every text to score must be a non-empty string")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+                         "as text_2 (scored pair by pair)")
+    return list(zip(first, second))
+
+
+def check_cross_encoder(pooling: PoolingModel) -> None:
+    """A classifier scores a pair by its one label (vLLM's rule for cross-encoders)."""
+    if pooling.num_labels != 1:
+        raise ValueError(f"scoring with a classifier needs one label (a cross-encoder); this model has "
+                         f"{pooling.num_labels}")
+
+
+def cosine_similarity(a, b) -> float:
+    """Two embeddings' cosine similarity, in float32 as vLLM computes it."""
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
+
+
+def _cosine_output(a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
+    return ScoringRequestOutput(f"{a.request_id}_{b.request_id}",
+                                ScoringOutput(cosine_similarity(a.outputs.data, b.outputs.data)),
+                                a.prompt_token_ids + b.prompt_token_ids)

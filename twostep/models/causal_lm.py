@@ -45,7 +45,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = cfg, tp
         self.model = DecoderModel(cfg, tp, self.layer)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // tp.world_size, bias=False)
+        # None for a pooling checkpoint without one (models/loader.py): it pools, it cannot generate
+        self.lm_head: Linear | None = Linear(cfg.hidden_size, cfg.vocab_size // tp.world_size, bias=False)
+        self.score: Linear | None = None    # a classifier's head on the pooled hidden state, set at load
         self.rotary = nn.ModuleDict()       # kind -> RotaryEmbedding (init_rotary), each a CustomOp
         # fn(x, rope, kv_caches, metas, backend) -> (x, residual) running every layer of the steps it
         # takes in one platform call, None for the others (models/fused_decode.py); bound at load
@@ -71,7 +73,7 @@ class CausalLM(nn.Module):
                 m.loaded()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             embedding = self.model.embed_tokens
             self.lm_head.weight, self.lm_head.quantized = embedding.weight, embedding.quantized
 

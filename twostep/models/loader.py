@@ -13,9 +13,11 @@ import torch
 from twostep.models.config import ModelConfig
 from twostep.distributed.parallel import TensorParallel
 from twostep.models.causal_lm import CausalLM
+from twostep.models.pooling import BASE, CAUSAL, base_model_names, checkpoint_kind
 from twostep.models.registry import config_from_hf, family_named
 from twostep.models.sharding import local_config, shard_tensors
 from twostep.models.weights import fuse_projections
+from twostep.layers.linear import Linear
 from twostep.quantization.packed import QuantizedWeight
 from twostep.config import check_quantization
 from twostep.quantization.quantize import can_quantize, quantize_weight
@@ -36,6 +38,7 @@ class LoadedCheckpoint:
     tokenizer_source: object          # a folder path (HF) or a GGUFCheckpoint
     generation_config: dict
     path: str
+    kind: str = CAUSAL                # models/pooling.py: a causal LM, a base model, or a classifier
 
 
 def default_model_path() -> str:
@@ -90,10 +93,13 @@ def load_checkpoint(path: str, dtype: torch.dtype, quantization: str | None = No
         raise ValueError(f"{path!r} has no tokenizer.json (twostep reads fast tokenizers only)")
     generation_config = _read_json(folder / "generation_config.json")
     tensors = _read_safetensors(folder, dtype)
+    kind = checkpoint_kind(hf_config)
+    if kind == BASE:                    # a base model's names lack the decoder's model. prefix
+        tensors = base_model_names(tensors)
     family = family_named(config.architecture)
     if family.from_hf is not None:      # the family's names and forms (models/families/)
         tensors = family.from_hf(tensors, config)
-    return _quantize(LoadedCheckpoint(config, tensors, str(folder), generation_config, path), quantization)
+    return _quantize(LoadedCheckpoint(config, tensors, str(folder), generation_config, path, kind), quantization)
 
 
 def _load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool) -> LoadedCheckpoint:
@@ -165,6 +171,19 @@ def _adopt_quantized(model: CausalLM, name: str, weight: QuantizedWeight, path: 
     module.weight, module.quantized = None, weight
 
 
+def _pooling_heads(model: CausalLM, ckpt: LoadedCheckpoint) -> None:
+    """A pooling checkpoint's heads: a classifier's score head ([num_labels, hidden], no bias, as
+    transformers' *ForSequenceClassification), and no lm_head where it has none (a base model or a
+    classifier whose head is not tied to the embedding: it pools, it cannot generate)."""
+    if ckpt.kind == CAUSAL:
+        return
+    score = ckpt.tensors.get("score.weight")
+    if score is not None:
+        model.score = Linear(ckpt.config.hidden_size, score.shape[0], bias=False)
+    if "lm_head.weight" not in ckpt.tensors and not ckpt.config.tie_word_embeddings:
+        model.lm_head = None
+
+
 def num_weights(ckpt: LoadedCheckpoint) -> int:
     """How many weights the checkpoint's tensors hold."""
     return sum(t.n * t.k if isinstance(t, QuantizedWeight) else t.numel() for t in ckpt.tensors.values())
@@ -179,6 +198,7 @@ def build_model(ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device
         ckpt.config = local_config(ckpt.config, tp)
     with torch.device("meta"):
         model = family_named(ckpt.config.architecture).model(ckpt.config, tp)
+        _pooling_heads(model, ckpt)
     expected = set(model.state_dict().keys())
     ckpt.tensors = fuse_projections(ckpt.tensors, ckpt.config.num_layers)
     if ckpt.config.tie_word_embeddings:

@@ -222,6 +222,18 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]
 
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Two texts as one sequence, as transformers' tokenizer(text, text_pair) joins them: the
+        post-processor's pair template (a BERT-style [CLS] a [SEP] b [SEP]; a decoder's tokenizer
+        without one just puts b after a), with BOS first where tokenizer_config asks for it. A
+        cross-encoder scores such a pair (vLLM's score and rerank)."""
+        ids = self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token:
+            bos = self.bos_token_id
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -428,7 +440,7 @@ def _prepare_message(message: Any) -> dict:
         out["tool_calls"] = [_tool_call_for_template(c) for c in out["tool_calls"]]
     reasoning = next((out[k] for k in _REASONING_KEYS if k in out), None)
     if reasoning is not None:
-        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+        out = {"thinking": reasoning, "reasoning": reasoning, **out, "reasoning_content": reasoning}
     return out
 
 

@@ -11,9 +11,10 @@ import torch
 
 from twostep.attention.linear_state import allocate_state_cache
 from twostep.attention.selector import get_attention_backend
-from twostep.config import kv_format
+from twostep.config import PoolingModel, kv_format
 from twostep.distributed.parallel import TensorParallel
 from twostep.core.execution.model_runner import ModelRunner
+from twostep.core.execution.pooler import Pooler
 from twostep.kv.block_tables import BlockTables
 from twostep.kv.cache_tensors import (KVCachePlan, KVGroupNeed, allocate_kv_cache, available_memory, parse_bytes,
                                       plan_kv_cache)
@@ -61,6 +62,7 @@ class ModelSpec:
     vocab_size: int | None = None              # the vocabulary it must have (a draft: the target's)
     quantization: str | None = None            # EngineConfig.quantization
     tp: TensorParallel = TensorParallel()      # this process's rank and the tensor-parallel size
+    pooling: PoolingModel | None = None        # a pooling engine's (models/pooling.py): the runner pools
 
 
 @dataclass(slots=True)
@@ -121,18 +123,29 @@ def build_model_instance(spec: ModelSpec, cache: CacheSpec, sampler: Sampler) ->
                     "layers", num_slots, state_bytes / num_slots / 2**20, len(shard.linear_layers),
                     state_bytes / 2**20, len(shard.attention_layers))
     backend = get_attention_backend(spec.attention_backend, spec.platform, spec.dtype, fmt)
-    model.fused_decode = fuse_decode(model, spec.platform, spec.dtype, backend)
+    # a model without an lm_head (a pooling checkpoint's) never decodes
+    model.fused_decode = None if model.lm_head is None else fuse_decode(model, spec.platform, spec.dtype, backend)
     if model.fused_decode is not None:
         rows = model.fused_decode.max_rows
         logger.info("decode steps of %s: the %d layers in one C++ call",
                     "any batch" if rows >= ANY_ROWS else f"up to {rows} rows", shard.num_layers)
     runner = ModelRunner(model, layer_caches, cache.block_size, backend, device, sampler,
-                         tuple(states) if states else None)
+                         tuple(states) if states else None, _pooler(spec.pooling, model, spec.path))
     first, *more = plan.groups
     kv_manager = KVCacheManager(first.num_blocks, cache.block_size, cache.enable_prefix_caching, first.window,
                                 [KVGroupSpec(g.num_blocks, g.window) for g in more], num_slots)
     return ModelInstance(spec.path, config, spec.dtype, device, max_model_len, model, plan, num_slots,
                          kv_manager, runner, ckpt.tokenizer_source, dict(ckpt.generation_config or {}))
+
+
+def _pooler(pooling: PoolingModel | None, model: CausalLM, path: str) -> Pooler | None:
+    """A pooling engine's pooler; a classifier's score head must have the labels its config names."""
+    if pooling is None:
+        return None
+    if pooling.task == "classify" and (model.score is None or model.score.out_features != pooling.num_labels):
+        found = "no score head" if model.score is None else f"a score head of {model.score.out_features} labels"
+        raise ValueError(f"{path}: its config names {pooling.num_labels} labels, its weights have {found}")
+    return Pooler(pooling, model.score)
 
 
 def _plan_states(config: ModelConfig, dtype: torch.dtype, device: torch.device, cache: CacheSpec) -> tuple[int, int]:

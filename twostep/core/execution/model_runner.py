@@ -8,6 +8,8 @@ KV-cache group (kv/kv_cache_manager.py), which the attention backend turns into 
 step; each layer reads its group's. lm_head runs only on the
 rows that need logits: the last token of each request that samples this step, every position
 of a request verifying drafts, plus prompt positions of requests that asked for prompt_logprobs.
+A pooling request's rows go to the pooler instead (pooler.py), which returns its vector when its
+prompt is complete.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from twostep.attention.backend import AttentionBackend
 from twostep.attention.kv_layer_cache import KVLayerCache, block_fills
 from twostep.attention.linear_state import LinearStateCache, StateMetadata
 from twostep.attention.metadata import AttentionMetadata, int64_tensor
+from twostep.core.execution.pooler import Pooler
 from twostep.core.execution.request_states import RequestState, RequestStates
 from twostep.core.step_outputs import ModelRunnerOutput, RequestStep, StepPlan, StepResult
 from twostep.kv.block_pool import NULL_BLOCK_ID
@@ -71,10 +74,12 @@ class _LogitRows:
 class ModelRunner:
     def __init__(self, model: CausalLM, layer_caches: list[KVLayerCache | LinearStateCache], block_size: int,
                  backend: AttentionBackend, device: torch.device, sampler: Sampler,
-                 states: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 states: tuple[torch.Tensor, torch.Tensor] | None = None, pooler: Pooler | None = None) -> None:
         """layer_caches: each layer's K/V, or a linear-attention layer's states (views of `states`:
-        every such layer's conv and recurrent states, [layers, slots + 1, ...])."""
+        every such layer's conv and recurrent states, [layers, slots + 1, ...]). pooler: a pooling
+        engine's (its requests' vectors from the hidden states; they sample nothing)."""
         self.model = model
+        self.pooler = pooler
         self.layer_caches = layer_caches
         self.kv_caches = [c for c in layer_caches if isinstance(c, KVLayerCache)]
         self.state_caches = [c for c in layer_caches if isinstance(c, LinearStateCache)]
@@ -115,6 +120,9 @@ class ModelRunner:
             self._keep_verified_states(plan.steps, results)
             for state, result in zip(states, results):   # what it sampled, and the drafts it accepted
                 state.output_token_ids.extend(result.token_ids)
+        if self.pooler is not None:
+            for i, vector in self.pooler.pool(hidden, plan.steps, states, inputs.meta.query_start_loc).items():
+                results[i].pooled = vector
         if self.keep_hidden:
             for first, s, result in zip(inputs.meta.query_start_loc, plan.steps, results):
                 result.hidden = hidden[first:first + s.num_known_tokens + result.num_accepted]
@@ -264,6 +272,8 @@ class ModelRunner:
                     meta: AttentionMetadata) -> _LogitRows:
         rows = _LogitRows({}, {}, {}, [])
         for i, (s, state) in enumerate(zip(steps, states)):
+            if state.pooling is not None:        # pooled from the hidden states (pooler.py): no logits
+                continue
             first = meta.query_start_loc[i]
             if s.prompt_logprobs_from is not None:
                 # Logits at prompt position p score prompt token p + 1.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from twostep.core.step_outputs import NewRequestData, RequestStep, StepPlan
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import SamplingParams
 
 
@@ -18,6 +19,12 @@ class RequestState:
     params: SamplingParams | None
     generator: torch.Generator | None
     tables: list[list[int]] = field(default_factory=list)     # a block table per KV group
+    pooling: PoolingParams | None = None
+    # a pooling request's hidden states so far (core/execution/pooler.py): MEAN's float32 sum and how
+    # many positions it holds, CLS's first position
+    pooled_sum: torch.Tensor | None = None
+    pooled_count: int = 0
+    pooled_first: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,4 +70,4 @@ class RequestStates(dict[str, RequestState]):
 
 
 def _state(new: NewRequestData) -> RequestState:
-    return RequestState(new.prompt_token_ids, new.output_token_ids, new.params, new.generator)
+    return RequestState(new.prompt_token_ids, new.output_token_ids, new.params, new.generator, pooling=new.pooling)

@@ -13,8 +13,9 @@ import torch
 
 from twostep.kv_transfer.params import RemotePrefill
 from twostep.outputs import RequestMetrics
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import SamplingParams
-from twostep.structured_output.grammar import Grammar
+from twostep.structured_output.grammar import DeferredGrammar, Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -29,7 +30,9 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    # PoolingParams: a pooling request, prefill only: it ends with its pooled vector when its prompt is
+    # computed, generating nothing (vLLM's Request with pooling_params)
+    params: SamplingParams | PoolingParams
     metrics: RequestMetrics
     generator: torch.Generator | None = None
     max_total_tokens: int = 0        # prompt + max_tokens, capped at max_model_len
@@ -47,7 +50,7 @@ class Request:
     spec_draft_probs: torch.Tensor | None = None
     # Structured outputs: the grammar state after output_token_ids (kept through preemption,
     # since a preempted request keeps its tokens and only recomputes their K/V).
-    grammar: Grammar | None = None
+    grammar: Grammar | DeferredGrammar | None = None
     priority: int = 0                # with the priority policy: lower first (vLLM's rule)
     arrival_index: int = 0           # order of arrival, set by the scheduler: ties go first come first
     # Prefill/decode disaggregation: where this request's prompt KV is to be loaded from (a
@@ -56,11 +59,17 @@ class Request:
     remote_prefill: RemotePrefill | None = None
     remote_decode: bool = False
     kv_transfer_params: dict | None = None
+    # a pooling request that reads every prompt position's hidden state (MEAN, CLS): no prefix-cache hits
+    pools_every_position: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.params.prompt_logprobs is not None:
+        if self.pooling_params is None and self.params.prompt_logprobs is not None:
             self.num_prompt_logprobs = 1
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.params if isinstance(self.params, PoolingParams) else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,7 +89,8 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
+        return (self.pooling_params is None and self.params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -31,9 +31,12 @@ class RunnerRecord:
             request, tables = s.request, s.tables
             rid = request.request_id
             if rid not in self._blocks:
-                plan.new_requests.append(NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
-                                                        request.params, request.generator) if self.samples
-                                         else NewRequestData(rid, request.prompt_token_ids, [], None))
+                pooling = request.pooling_params
+                plan.new_requests.append(
+                    NewRequestData(rid, request.prompt_token_ids, [], None, pooling=pooling) if pooling is not None
+                    else NewRequestData(rid, request.prompt_token_ids, list(request.output_token_ids),
+                                        request.params, request.generator) if self.samples
+                    else NewRequestData(rid, request.prompt_token_ids, [], None))
                 self._blocks[rid] = 0
             first = min(self._blocks[rid], len(tables[0]))
             self._blocks[rid] = len(tables[0])

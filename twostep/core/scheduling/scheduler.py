@@ -10,6 +10,8 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 After the model ran, update_from_output() applies the step to the requests and the KV cache:
 computed tokens, appended tokens (accepted drafts included), rejected draft slots trimmed, full
 blocks registered in the prefix cache, stop rules (core/scheduling/stop.py), finished requests' blocks freed.
+A pooling request is a prompt like any other (chunked, batched, preempted); the step that completes
+its prompt returns its pooled vector instead of a token, and it finishes then.
 Nothing else writes request or KV state after a step (vLLM v1's Scheduler.update_from_output);
 of a request's RequestMetrics it writes the scheduling fields, the output processor the token
 timings.
@@ -191,7 +193,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, num_hit, n, hits):
                 break
             request.num_computed_tokens = num_hit
-            if not request.wants_prompt_logprobs:
+            if not request.wants_prompt_logprobs and not request.pools_every_position:
                 self.kv.record_lookup(request.num_tokens, num_hit)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_hit
@@ -262,8 +264,9 @@ class Scheduler:
 
     def _prefix_hits(self, request: Request):
         """Cached leading blocks of a request starting from scratch (new or preempted).
-        Requests that want prompt_logprobs compute every prompt position themselves."""
-        if request.num_computed_tokens or request.wants_prompt_logprobs:
+        Requests that want prompt_logprobs compute every prompt position themselves, as do pooling
+        requests that read every position's hidden state (the cache holds K/V, not hidden states)."""
+        if request.num_computed_tokens or request.wants_prompt_logprobs or request.pools_every_position:
             return [], request.num_computed_tokens
         return self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
 
@@ -305,6 +308,9 @@ class Scheduler:
         self.kv.release_out_of_window(rid, request.num_computed_tokens)
         if result.prompt_logprobs:
             request.num_prompt_logprobs += len(result.prompt_logprobs)
+        if result.pooled is not None:       # a pooling request's prompt is done: it ends, its blocks freed
+            self._finish(request, "stop")
+            return EngineCoreOutput(rid, finish_reason="stop", pooled=result.pooled)
         # Tokens in order (accepted drafts, then the target's own); a stop ends the rest.
         new_tokens: list[int] = []
         on_token = False     # ended by an EOS or stop token (whose text is not output)

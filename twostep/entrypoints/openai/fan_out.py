@@ -14,7 +14,8 @@ from twostep.entrypoints.async_engine import QueueFullError
 from twostep.entrypoints.openai.errors import APIError
 from twostep.entrypoints.openai.serving import Choice
 from twostep.entrypoints.openai.state import ServerState
-from twostep.outputs import RequestOutput
+from twostep.outputs import PoolingRequestOutput, RequestOutput
+from twostep.pooling_params import PoolingParams
 from twostep.sampling_params import SamplingParams
 
 
@@ -30,7 +31,8 @@ class Batch:
         self.prompt_logprobs: list = []    # per prompt, filled by collect (echo)
         self.kv_transfer_params: dict | None = None   # a prefill instance's answer for the decode one
 
-    async def add(self, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0) -> None:
+    async def add(self, prompts: list[str | list[int]], params: SamplingParams | PoolingParams,
+                  priority: int = 0) -> None:
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{self.id}-{i}"
@@ -48,7 +50,8 @@ class Batch:
             if rid not in self.finished:
                 self.state.engine.abort(rid)
 
-    async def outputs(self, raw: Request | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self, raw: Request | None = None,
+                      ) -> AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]]:
         """(prompt index, output) until every request finished. With `raw` (non-streaming
         responses) a watcher polls the connection meanwhile: a client that left ends it at once,
         however fast tokens arrive."""
@@ -60,6 +63,10 @@ class Batch:
                     return
                 if isinstance(out, BaseException):
                     raise APIError(500, f"engine failure: {out}")
+                if isinstance(out, PoolingRequestOutput):      # one output, its vector: nothing else to read
+                    self.finished.add(out.request_id)
+                    yield self.request_ids.index(out.request_id), out
+                    continue
                 failed = [c.stop_reason for c in out.outputs if c.finish_reason == "error"]
                 if failed:          # e.g. a remote prefill's KV could not be loaded
                     self.finished.add(out.request_id)

@@ -9,7 +9,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from twostep.outputs import RequestOutput
+from twostep.outputs import PoolingRequestOutput, RequestOutput
 
 PREFIX = "twostep:"
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -84,11 +84,14 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput | PoolingRequestOutput) -> None:
         m, name = out.metrics, self.model_name
-        for completion in out.outputs:
-            self.request_success.labels(name, completion.finish_reason or "abort").inc()
-            self.generation_tokens.labels(name).inc(len(completion.token_ids))
+        if isinstance(out, PoolingRequestOutput):      # one vector, no generated tokens
+            self.request_success.labels(name, out.finish_reason or "abort").inc()
+        else:
+            for completion in out.outputs:
+                self.request_success.labels(name, completion.finish_reason or "abort").inc()
+                self.generation_tokens.labels(name).inc(len(completion.token_ids))
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         if m.kv_load_start_time is not None and m.kv_load_end_time is not None:
             self.kv_load.labels(name).observe(m.kv_load_end_time - m.kv_load_start_time)

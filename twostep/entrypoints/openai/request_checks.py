@@ -16,6 +16,14 @@ from twostep.sampling_params import SamplingParams, StructuredOutputsParams
 _TEMPLATE_SOURCES = ("chat_template", "tools", "documents")
 
 
+def check_generates(state: ServerState) -> None:
+    """A pooling server (--runner pooling) makes vectors: every route that generates answers 400."""
+    if state.engine.engine.pooling is not None:
+        raise APIError(400, "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
+                            "/v1/score and /v1/rerank, not generation; start `twostep serve MODEL --runner generate` "
+                            "with a causal LM for completions and chat", "model")
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name and model not in state.config.model_aliases:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
@@ -135,6 +143,7 @@ def check_length(state: ServerState, ids: list[int], max_tokens: int | None, fie
 
 def request_params(state: ServerState, body, max_tokens, logprobs, prompt_logprobs,
             constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    check_generates(state)
     try:
         return body.sampling_params(state.engine.engine.default_sampling_params(), max_tokens,
                                     logprobs, prompt_logprobs, constraint)

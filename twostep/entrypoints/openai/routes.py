@@ -72,7 +72,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest):
         check_model(state, body.model)
         if body.messages is not None:
-            ids = await encode_messages(state, body.messages, body.add_generation_prompt)
+            ids = await encode_messages(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         elif body.prompt is not None:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         else:
@@ -91,12 +91,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None,
               responses={**_json_or_events(CompletionResponse), **error_responses(400, 404, 413, 503)})
     async def completions(body: CompletionRequest, raw: Request, response: Response):
-        return _note_ignored(body, response, await create_completion(state, body, raw))
+        return note_ignored(body, response, await create_completion(state, body, raw))
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={**_json_or_events(ChatCompletionResponse), **error_responses(400, 404, 413, 503)})
     async def chat(body: ChatCompletionRequest, raw: Request, response: Response):
-        return _note_ignored(body, response, await create_chat_completion(state, body, raw))
+        return note_ignored(body, response, await create_chat_completion(state, body, raw))
 
     @app.get("/v1/models/{model_id:path}", response_model=None, responses={200: {"model": ModelCard},
                                                                        **error_responses(404)})
@@ -134,7 +134,7 @@ def _model_card(state: ServerState) -> dict:
 _MAX_NAMED_FIELDS = 20    # an x-ignored-fields header names at most this many (64 characters each)
 
 
-def _note_ignored(body, response: Response, result):
+def note_ignored(body, response: Response, result):
     """Fields the request sent that this server does not know: logged, and named in a header
     (ASCII: other characters as JSON escapes)."""
     fields = body.ignored_fields()

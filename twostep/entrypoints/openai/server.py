@@ -19,9 +19,12 @@ from fastapi.openapi.utils import get_openapi
 
 from twostep.engine.llm_engine import LLMEngine
 from twostep.entrypoints.async_engine import AsyncEngine
+from twostep.entrypoints.openai.anthropic_messages import add_anthropic_routes
 from twostep.entrypoints.openai.errors import install_error_handlers
 from twostep.entrypoints.openai.metrics import ServerMetrics
 from twostep.entrypoints.openai.middleware import BodySizeLimit, RequireAPIKey, is_loopback
+from twostep.entrypoints.openai.pooling import add_pooling_routes
+from twostep.entrypoints.openai.responses_api import add_responses_routes
 from twostep.entrypoints.openai.routes import add_routes
 from twostep.entrypoints.openai.state import QUEUED_PER_RUNNING, ServerConfig, ServerState
 from twostep.outputs import RequestOutput
@@ -59,6 +62,9 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
                            open_paths={"/health"} | (set() if config.metrics_need_key else {"/metrics"}))
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     add_routes(app, state)
+    add_pooling_routes(app, state)
+    add_anthropic_routes(app, state)
+    add_responses_routes(app, state)
     app.openapi = lambda: _openapi(app, bool(config.api_key), config.metrics_need_key)
     return app
 
