@@ -28,7 +28,9 @@ def server(tiny_model_dir, tmp_path_factory):
 def test_the_server_keeps_to_its_schema(server):
     schema = schemathesis.openapi.from_url(server.url("/openapi.json"))
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/responses",
+                                             "/v1/responses/{response_id}", "/v1/messages",
+                                             "/v1/messages/count_tokens", "/v1/embeddings", "/v1/score", "/v1/rerank"}
     for operation in operations:
         @given(case=operation.as_strategy())
         @settings(max_examples=25, deadline=None, derandomize=True, database=None,
