@@ -1,8 +1,8 @@
 """What a reasoning parser costs a stream: client-side TPOT of streamed chat completions on one server
 started with --reasoning-parser deepseek_r1 (its whole output is thinking, so every token goes
 through the parser), with the parser on and, in the same server, off for the request
-(chat_template_kwargs enable_thinking false). Requests alternate (on first, then off), medians are
-printed. The parser's own time per token is then clocked in-process on the same output, fed token
+(chat_template_kwargs enable_thinking false). Requests alternate, each side first in turn; medians
+are printed. The parser's own time per token is then clocked in-process on the same output, fed token
 by token as the server feeds it: the overhead without the machine's drift.
 
     .venv/bin/python benchmarks/reasoning_overhead.py                 # the default model, 256 tokens, 5 reps
@@ -46,22 +46,27 @@ def start_server(port: int, model: str | None) -> subprocess.Popen:
 
 
 def stream_once(port: int, tokens: int, parser_on: bool) -> tuple[float, str]:
-    """(TPOT in ms between the first and the last chunk, the whole streamed text)."""
-    body = {"messages": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    """(TPOT in ms: from the first text chunk to the last over the tokens between them, the whole
+    streamed text). Per token, not per chunk: a parser holds back a token that may be whitespace
+    before a marker and sends it with the next one, so the two sides send different numbers of chunks."""
+    body = {"messages": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if not parser_on:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    times, text = [], []
+    times, text, generated = [], [], tokens
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
             delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
             piece = (delta.get("reasoning") or "") + (delta.get("content") or "")
             if piece:
                 times.append(time.perf_counter())
                 text.append(piece)
-    return 1e3 * (times[-1] - times[0]) / (len(times) - 1), "".join(text)
+    return 1e3 * (times[-1] - times[0]) / (generated - 1), "".join(text)
 
 
 def parser_us_per_token(text: str, pieces: int) -> float:
@@ -90,10 +95,11 @@ def main() -> None:
         stream_once(args.port, 16, True)                      # warm-up
         on, off, text = [], [], ""
         for rep in range(args.reps):
-            tpot, text = stream_once(args.port, args.tokens, True)
-            on.append(tpot)
-            off.append(stream_once(args.port, args.tokens, False)[0])
-            print(f"rep {rep + 1}/{args.reps}: TPOT parser on {tpot:.2f} ms, off {off[-1]:.2f} ms", flush=True)
+            for parser_on in ((True, False) if rep % 2 == 0 else (False, True)):   # in turn first
+                tpot, streamed = stream_once(args.port, args.tokens, parser_on)
+                (on if parser_on else off).append(tpot)
+                text = streamed if parser_on else text
+            print(f"rep {rep + 1}/{args.reps}: TPOT parser on {on[-1]:.2f} ms, off {off[-1]:.2f} ms", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)

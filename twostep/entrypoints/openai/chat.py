@@ -188,7 +188,9 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, batch: B
                 done.add(c.index)
             split = ReasoningDelta(content=c.delta_text)
             if reasoning.parser is not None:   # only the answer is content; the chain of thought is reasoning
-                split = splits.setdefault(c.index, reasoning.parser.stream()).feed(c.delta_text, final=bool(finish))
+                if c.index not in splits:
+                    splits[c.index] = reasoning.parser.stream()
+                split = splits[c.index].feed(c.delta_text, final=bool(finish))
             if plan.parser is None:
                 delta = {"content": split.content} if split.content or not (finish or reasoning.parser) else {}
             else:
