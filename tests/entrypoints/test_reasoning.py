@@ -373,3 +373,18 @@ def test_unknown_parser_fails_at_start(qwen3_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "twostep.cli", "serve", "--model", str(qwen3_dir),
                         "--reasoning-parser", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "reasoning-parser" in r.stderr
+
+
+def test_a_grammar_forces_plain_added_tokens(r1_dir):
+    """<think> and </think> are added tokens that are text (special=False, as Qwen's tokenizers have
+    them): a grammar literal matches them, so a regex can force a thinking block (llguidance alone
+    reads every added token as a control token no literal matches)."""
+    from twostep import LLM
+
+    ids = json.loads((r1_dir / "think_ids.json").read_text())
+    llm = LLM(str(r1_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(regex=FORCED))
+    out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    llm.shutdown()
+    assert out.finish_reason == "stop" and re.fullmatch(FORCED, out.text)
+    assert ids["<think>"] in out.token_ids and ids["</think>"] in out.token_ids   # as the tokens, whole

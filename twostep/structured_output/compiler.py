@@ -61,8 +61,12 @@ class GrammarCompiler:
 
     def _build_ll_tokenizer(self) -> llguidance.LLTokenizer:
         start = time.monotonic()
-        built = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                       eos_token=self.eos_token_ids or None)
+        eos = self.eos_token_ids or None
+        built = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        plain = _plain_added_tokens(self.tokenizer, self.vocab_size)
+        if plain:
+            built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_PlainAddedTokens(built, plain, self.tokenizer)),
+                                           n_vocab=self.vocab_size, eos_token=eos)
         logger.info("structured outputs: token table for %d tokens built in %.2f s",
                     self.vocab_size, time.monotonic() - start)
         return built
@@ -103,6 +107,30 @@ class GrammarCompiler:
             self.stats.compile_seconds += elapsed
         logger.debug("compiled a %s constraint in %.1f ms", params.kind, elapsed * 1e3)
         return matcher
+
+
+def _plain_added_tokens(tokenizer: Tokenizer, vocab_size: int) -> set[int]:
+    """Added tokens that are text, not control: Qwen's <think>, </think>, <tool_call> (special=False
+    in tokenizer.json). llguidance reads every added token as a special one, which no grammar literal
+    can match, so a grammar could not force "<think>" or "<tool_call>" where they are such tokens."""
+    return {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if not t.special and i < vocab_size}
+
+
+class _PlainAddedTokens:
+    """llguidance's token table (TokenizerWrapper's source) with the plain added tokens as the text
+    they are: every token's bytes as llguidance read them, special ones those it found minus the
+    plain added tokens; strings tokenized as the model's tokenizer does (added tokens whole)."""
+
+    bos_token_id = None
+
+    def __init__(self, table: llguidance.LLTokenizer, plain: set[int], tokenizer: Tokenizer) -> None:
+        self.eos_token_id = table.eos_token
+        self.tokens = [table.decode_bytes([i]) for i in range(table.vocab_size)]
+        self.special_token_ids = [i for i in range(table.vocab_size) if table.is_special_token(i) and i not in plain]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
