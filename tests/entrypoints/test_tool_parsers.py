@@ -604,3 +604,15 @@ def test_malformed_output_never_raises_and_keeps_the_contract(name):
             json.loads(call.arguments)
         for _, chunks in itertools.islice(chunkings(text), 3):
             stream(parser, chunks, [])
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_json_nested_past_pythons_limit_is_not_a_call_and_does_not_raise(name):
+    """A model can write brackets deeper than json.loads can hold (RecursionError): such arguments
+    are not valid JSON here, never an exception in the server."""
+    deep = "[" * 50_000 + "]" * 50_000
+    for text in (f'<tool_call>\n{{"name": "f", "arguments": {deep}}}\n</tool_call>',
+                 f'[TOOL_CALLS][{{"name": "f", "arguments": {deep}}}]', f'{{"name": "f", "parameters": {deep}}}'):
+        parser = TOOL_PARSERS[name]()
+        extract_tool_calls(parser, text)
+        ToolCallStreamer(parser).feed(text, final=True)

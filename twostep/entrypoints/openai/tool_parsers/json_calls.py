@@ -95,7 +95,7 @@ def scan_call_object(text: str, pos: int) -> ObjectScan:
     if scan.end is not None and name is not None:
         try:
             whole = json.loads(text[pos:scan.end])
-        except ValueError:
+        except (ValueError, RecursionError):     # nested past Python's limit: not JSON it can hold
             whole = None
         complete = isinstance(whole, dict) and whole.get("name") == name
         if complete and arguments is None:

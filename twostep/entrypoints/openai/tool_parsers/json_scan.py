@@ -127,7 +127,7 @@ def is_json(text: str) -> bool:
     """Whether text is one valid JSON value."""
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):     # nested past Python's limit: not JSON it can hold
         return False
     return True
 
@@ -136,6 +136,6 @@ def decode_string(raw: str) -> str | None:
     """The value of a complete JSON string literal, None if it is not a valid one."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):     # nested past Python's limit: not JSON it can hold
         return None
     return value if isinstance(value, str) else None
