@@ -200,16 +200,29 @@ class HF:
 class LlamaCppBin:
     name = "llama.cpp"
 
+    # llama.cpp's CPU repack kernels (AMX among them) die by a signal on some CPUs: then the run is
+    # repeated with repacking off, as llama.cpp's docs advise, and every later run keeps it off
+    NO_REPACK = {"llama-bench": ("--repack", "0"), "llama-batched-bench": ("--no-repack",)}
+
     def __init__(self, bin_dir: str, gguf: str, threads: int):
         self.bin_dir, self.gguf, self.threads = bin_dir, gguf, threads
+        self.repack = True
 
     def _run(self, binary: str, *args) -> str:
-        cmd = [os.path.join(self.bin_dir, binary), "-m", self.gguf, "-t", str(self.threads),
-               *map(str, args)]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p, cmd = self._call(binary, args)
+        if p.returncode < 0 and self.repack:
+            print(f"llama.cpp: {binary} died by signal {-p.returncode}; repacking off from here on "
+                  "(--repack 0)", flush=True)
+            self.repack = False
+            p, cmd = self._call(binary, args)
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
         return p.stdout
+
+    def _call(self, binary: str, args) -> tuple[subprocess.CompletedProcess, list[str]]:
+        cmd = [os.path.join(self.bin_dir, binary), "-m", self.gguf, "-t", str(self.threads),
+               *(() if self.repack else self.NO_REPACK[binary]), *map(str, args)]
+        return subprocess.run(cmd, capture_output=True, text=True), cmd
 
     def measure(self, phase: Phase, seed: int) -> float:
         if phase.is_prefill:
