@@ -366,6 +366,16 @@ class Server:
             self.proc.wait(10)
 
 
+def serving(folder: Path, log_dir: Path, *extra: str, **kwargs):
+    """Fixture body: a server for the fixture's scope, shut down with SIGTERM, which must exit 0."""
+    server = Server(folder, log_dir, *extra, **kwargs)
+    try:
+        yield server
+    finally:
+        rc = server.terminate()
+        assert rc == 0, f"server did not exit 0 within 15 s of SIGTERM (rc={rc}):\n{server.output()}"
+
+
 def parse_sse(lines) -> list[dict]:
     """The JSON payloads of an SSE body; it must end with `data: [DONE]` and nothing after it."""
     chunks: list[dict] = []

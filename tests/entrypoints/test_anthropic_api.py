@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from conftest import MODEL, Server, build_tokenizer, make_tiny_model
+from conftest import MODEL, build_tokenizer, make_tiny_model, serving
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -34,13 +34,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    server = Server(model_dir, tmp_path_factory.mktemp("anthropic-logs"), "--api-key", KEY,
-                    "--max-model-len", str(MAX_MODEL_LEN), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                    "--max-request-body-bytes", str(MAX_BODY))
-    try:
-        yield server
-    finally:
-        assert server.terminate() == 0, server.output()
+    yield from serving(model_dir, tmp_path_factory.mktemp("anthropic-logs"), "--api-key", KEY,
+                       "--max-model-len", str(MAX_MODEL_LEN), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--max-request-body-bytes", str(MAX_BODY))
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +325,8 @@ def thinking_server(model_dir, tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False,
         "chat_template": THINKING_TEMPLATE}))
-    server = Server(folder, tmp_path_factory.mktemp("thinking-logs"), "--max-model-len", "256",
-                    "--reasoning-parser", "qwen3")
-    try:
-        yield server
-    finally:
-        assert server.terminate() == 0, server.output()
+    yield from serving(folder, tmp_path_factory.mktemp("thinking-logs"), "--max-model-len", "256",
+                       "--reasoning-parser", "qwen3")
 
 
 def test_reasoning_comes_back_as_a_thinking_block(thinking_server):

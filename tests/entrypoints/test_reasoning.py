@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer
 
-from conftest import MODEL, VOCAB, Server, make_tiny_model
+from conftest import MODEL, VOCAB, make_tiny_model, serving
 from twostep.entrypoints.reasoning import (REASONING_PARSERS, count_reasoning_tokens, get_reasoning_parser,
                                            prompt_opens_thinking, thinking_disabled)
 from twostep.sampling_params import SamplingParams, StructuredOutputsParams
@@ -183,11 +183,7 @@ def log_dir(tmp_path_factory):
 
 
 def _serve(folder, log_dir, *extra):
-    server = Server(folder, log_dir, "--max-model-len", "1024", *extra)
-    try:
-        yield server
-    finally:
-        assert server.terminate() == 0, server.output()
+    yield from serving(folder, log_dir, "--max-model-len", "1024", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import MODEL, Server, make_tiny_model
+from conftest import MODEL, make_tiny_model, serving
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {
@@ -46,12 +46,8 @@ def log_dir(tmp_path_factory):
 
 
 def _serve(folder, log_dir, *extra):
-    server = Server(folder, log_dir, "--max-model-len", "2048", "--enable-auto-tool-choice",
-                    "--tool-call-parser", "hermes", *extra)
-    try:
-        yield server
-    finally:
-        assert server.terminate() == 0, server.output()
+    yield from serving(folder, log_dir, "--max-model-len", "2048", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", *extra)
 
 
 @pytest.fixture(scope="module")

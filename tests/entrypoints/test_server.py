@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (MODEL, ROOT, Server, make_tiny_model, metric, parse_sse, random_prompts, scrape, stream_post,
-                      stream_text, tokenize)
+from conftest import (MODEL, ROOT, Server, make_tiny_model, metric, parse_sse, random_prompts, scrape, serving,
+                      stream_post, stream_text, tokenize)
 from twostep import LLM, SamplingParams
 
 MAX_MODEL_LEN = 64          # of the main server: a too-long prompt is cheap to send
@@ -41,16 +41,6 @@ COUNTERS = ["prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefi
 
 # ---- the server process --------------------------------------------------------------------
 
-def serve(folder: Path, log_dir: Path, *extra: str):
-    """Fixture body: a server for the module, shut down with SIGTERM, which must exit 0."""
-    server = Server(folder, log_dir, *extra)
-    try:
-        yield server
-    finally:
-        rc = server.terminate()
-        assert rc == 0, f"server did not exit 0 within 15 s of SIGTERM (rc={rc}):\n{server.output()}"
-
-
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server-logs")
@@ -69,17 +59,17 @@ def long_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, log_dir):
-    yield from serve(model_dir, log_dir, "--max-model-len", str(MAX_MODEL_LEN))
+    yield from serving(model_dir, log_dir, "--max-model-len", str(MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
 def limited_server(long_model_dir, log_dir):
-    yield from serve(long_model_dir, log_dir, "--max-queued-requests", "2", "--max-num-seqs", "1")
+    yield from serving(long_model_dir, log_dir, "--max-queued-requests", "2", "--max-num-seqs", "1")
 
 
 @pytest.fixture(scope="module")
 def timeout_server(long_model_dir, log_dir):
-    yield from serve(long_model_dir, log_dir, "--request-timeout", "0.5")
+    yield from serving(long_model_dir, log_dir, "--request-timeout", "0.5")
 
 
 @pytest.fixture(scope="module")
@@ -719,7 +709,7 @@ def test_a_trusted_template_renders_off_the_event_loop(model_dir, log_dir):
     """With --trust-request-chat-template a slow template keeps one worker busy, not the server."""
     import threading
 
-    for trusted in serve(model_dir, log_dir, "--trust-request-chat-template"):
+    for trusted in serving(model_dir, log_dir, "--trust-request-chat-template"):
         result = {}
         slow = threading.Thread(target=lambda: result.update(r=httpx.post(trusted.url(CH), timeout=120, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -738,7 +728,7 @@ def test_a_trusted_template_renders_off_the_event_loop(model_dir, log_dir):
 def test_the_server_takes_its_chat_template_from_a_file(model_dir, log_dir, tmp_path):
     template = tmp_path / "brackets.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    for server in serve(model_dir, log_dir, "--chat-template", str(template)):
+    for server in serving(model_dir, log_dir, "--chat-template", str(template)):
         ids = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": "hi"}]},
                          timeout=30).json()["tokens"]
         plain = httpx.post(server.url("/tokenize"), json={"prompt": "[hi]", "add_special_tokens": False},

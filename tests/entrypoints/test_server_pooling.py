@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MODEL, Server, make_tiny_model, tokenize
+from conftest import MODEL, Server, make_tiny_model, serving, tokenize
 
 TOL = 1e-4
 TEXTS = ["Once upon a time there was a little girl named Lily.", "The quick brown fox jumps over the lazy dog.",
@@ -23,9 +23,9 @@ DOCUMENTS = ["The capital of France is Paris.", "Lily loved to play outside.", "
              "Paris is in France."]
 
 
-def serve(tmp_path_factory, folder, *extra) -> Server:
-    return Server(folder, tmp_path_factory.mktemp("pooling-logs"), "--max-model-len", "64",
-                  "--max-num-batched-tokens", "16", *extra)
+def serve(tmp_path_factory, folder, *extra):
+    yield from serving(folder, tmp_path_factory.mktemp("pooling-logs"), "--max-model-len", "64",
+                       "--max-num-batched-tokens", "16", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +36,14 @@ def embedder_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory, embedder_dir):
-    server = serve(tmp_path_factory, embedder_dir)
-    yield server
-    assert server.terminate() == 0, server.output()
+    yield from serve(tmp_path_factory, embedder_dir)
 
 
 @pytest.fixture(scope="module")
 def mean_embedder(tmp_path_factory):
     """A plain base model (no Matryoshka) pooled by the mean, set on the command line."""
-    server = serve(tmp_path_factory, make_tiny_model(tmp_path_factory.mktemp("plain"), "qwen3", auto_class="AutoModel"),
-                   "--pooling-type", "mean")
-    yield server
-    assert server.terminate() == 0, server.output()
+    yield from serve(tmp_path_factory, make_tiny_model(tmp_path_factory.mktemp("plain"), "qwen3", auto_class="AutoModel"),
+                     "--pooling-type", "mean")
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +54,12 @@ def reranker_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, reranker_dir):
-    server = serve(tmp_path_factory, reranker_dir)
-    yield server
-    assert server.terminate() == 0, server.output()
+    yield from serve(tmp_path_factory, reranker_dir)
 
 
 @pytest.fixture(scope="module")
 def generator(tmp_path_factory, tiny_model_dir):
-    server = Server(tiny_model_dir("llama"), tmp_path_factory.mktemp("generate-logs"))
-    yield server
-    assert server.terminate() == 0, server.output()
+    yield from serving(tiny_model_dir("llama"), tmp_path_factory.mktemp("generate-logs"))
 
 
 @pytest.fixture(scope="module")

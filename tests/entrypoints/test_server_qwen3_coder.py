@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from conftest import MODEL, Server, make_tiny_model
+from conftest import MODEL, make_tiny_model, serving
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city", "strict": True,
@@ -52,12 +52,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    server = Server(model_dir, tmp_path_factory.mktemp("qwen3-coder-logs"), "--max-model-len", "512",
-                    "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder")
-    try:
-        yield server
-    finally:
-        assert server.terminate() == 0, server.output()
+    yield from serving(model_dir, tmp_path_factory.mktemp("qwen3-coder-logs"), "--max-model-len", "512",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder")
 
 
 @pytest.fixture(scope="module")
