@@ -314,7 +314,7 @@ class Server:
     """One `twostep serve` subprocess; its stdout and stderr go to a log file."""
 
     def __init__(self, folder: Path, log_dir: Path, *extra: str, served_name: str | None = MODEL,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, ready_timeout: float = 60.0, stop_timeout: float = 15.0) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -325,7 +325,8 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
+        self.stop_timeout = stop_timeout
+        self._wait_ready(ready_timeout)
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -349,13 +350,13 @@ class Server:
         self.kill()
         pytest.fail(f"server not healthy after {timeout:.0f} s:\n{self.output()}")
 
-    def terminate(self, timeout: float = 15.0) -> int | None:
+    def terminate(self, timeout: float | None = None) -> int | None:
         """SIGTERM and wait; the exit code, or None if it had to be killed."""
         if self.proc.poll() is not None:
             return self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(timeout or self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
@@ -373,7 +374,7 @@ def serving(folder: Path, log_dir: Path, *extra: str, **kwargs):
         yield server
     finally:
         rc = server.terminate()
-        assert rc == 0, f"server did not exit 0 within 15 s of SIGTERM (rc={rc}):\n{server.output()}"
+        assert rc == 0, f"server did not exit 0 within {server.stop_timeout:g} s of SIGTERM (rc={rc}):\n{server.output()}"
 
 
 def parse_sse(lines) -> list[dict]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from twostep import __version__
 from twostep.config import EngineConfig, PoolerConfig, SpeculativeConfig
 from twostep.config.options import add_options, options_from
+from twostep.config.replicas import ReplicaConfig
 from twostep.entrypoints.reasoning import REASONING_PARSERS
 from twostep.sampling_params import SamplingParams
 
@@ -127,6 +128,7 @@ def _serve_parser(sub) -> None:
                    help="seconds after which a request is ended (finish_reason length, stop_reason timeout)")
     p.add_argument("--shutdown-grace-period", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    add_options(p, ReplicaConfig)
     add_run_args(p)
 
 
@@ -213,6 +215,15 @@ def run_serve(args: argparse.Namespace) -> int:
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
                           max_stored_responses=args.max_stored_responses)
+    replicas = ReplicaConfig(**options_from(args, ReplicaConfig))
+    if replicas.on_ray:
+        from twostep.entrypoints.replicas.launch import run_replicas
+
+        if args.trace:
+            raise ValueError("--trace records one engine's steps: run it without replicas")
+        return run_replicas(engine_config_from(args), config, replicas, args.host, args.port,
+                            log_level=args.uvicorn_log_level or args.log_level,
+                            graceful_timeout=args.shutdown_grace_period)
     engine = LLMEngine(engine_config_from(args))
     tracer = engine.enable_tracing() if args.trace else None
     rc = run_server(engine, config, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level,

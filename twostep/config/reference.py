@@ -7,6 +7,7 @@ from __future__ import annotations
 from twostep.config.engine import EngineConfig
 from twostep.config.options import option_reference
 from twostep.config.pooling import PoolerConfig
+from twostep.config.replicas import ReplicaConfig
 from twostep.config.speculative import SpeculativeConfig
 
 USAGE_HEADER = """# Options
@@ -53,6 +54,12 @@ completions and chat routes. Offline: `LLM(model).embed(texts)` (`.outputs.embed
 `LLM.score(text_1, text_2)` (`.outputs.score`), `LLM.classify(texts)` (`.outputs.probs`), `LLM.encode`.
 """
 
+REPLICAS_SECTION = """
+`twostep serve` only: with any of these set the server runs its engines as replicas on Ray Serve
+(`pip install 'twostep[ray]'`) behind its one endpoint; see "Scaling out" in docs/features.md.
+"""
+
 
 def usage_markdown() -> str:
-    return USAGE_HEADER + option_reference(EngineConfig, SpeculativeConfig, PoolerConfig) + POOLING_SECTION
+    return (USAGE_HEADER + option_reference(EngineConfig, SpeculativeConfig, PoolerConfig) + POOLING_SECTION
+            + "\n" + option_reference(ReplicaConfig) + REPLICAS_SECTION)

@@ -56,6 +56,7 @@ def build_app(llm_engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="twostep", lifespan=lifespan)
     app.state.twostep = state
+    app.state.api_key = config.api_key
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(RequireAPIKey, api_key=config.api_key,
@@ -91,18 +92,25 @@ def _openapi(app: FastAPI, with_key: bool, metrics_need_key: bool) -> dict:
 
 def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int,
                log_level: str = "info", graceful_timeout: float = 5.0) -> int:
+    app = build_app(llm_engine, config)
+    engine: AsyncEngine = app.state.twostep.engine
+    return serve_app(app, host, port, log_level, graceful_timeout, engine)
+
+
+def serve_app(app, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0,
+              engine: AsyncEngine | None = None) -> int:
+    """Run app under uvicorn until SIGINT/SIGTERM (or the engine's failure); the exit code."""
     import uvicorn
 
-    if not config.api_key and not is_loopback(host):
+    api_key = getattr(app.state, "api_key", None)
+    if not api_key and not is_loopback(host):
         logger.warning("listening on %s without an API key: anyone who can reach port %d can use "
                        "this server (set --api-key or TWOSTEP_API_KEY)", host, port)
-    app = build_app(llm_engine, config)
     # In-flight requests get graceful_timeout seconds to finish, then are aborted so their
     # streams end properly (finish_reason "abort", [DONE]); uvicorn waits a little longer.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=graceful_timeout + 5.0)
     server = _QuietSignalsServer(config)
-    engine: AsyncEngine = app.state.twostep.engine
 
     failed: list[BaseException] = []
 
@@ -113,13 +121,15 @@ def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int
             failed.append(error)
             loop.call_soon_threadsafe(server.request_exit)
 
-        engine.on_failure = on_failure
+        if engine is not None:
+            engine.on_failure = on_failure
 
         def on_signal() -> None:
             if server.should_exit:
                 return
             server.request_exit()
-            loop.call_later(graceful_timeout, engine.abort_all)
+            if engine is not None:
+                loop.call_later(graceful_timeout, engine.abort_all)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
