@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_metrics_from_known_timestamps():
     # sent at 10.0; content at 10.1, 10.3, 10.6; stream ends 10.7; usage says 4 tokens
     a = RequestTiming(start=10.0, chunk_times=[10.1, 10.3, 10.6], output_tokens=4, end=10.7, ok=True)
-    # sent at 20.0; one chunk at 20.5; ends 21.0; 1 token: no TPOT, no ITL
-    b = RequestTiming(start=20.0, chunk_times=[20.5], output_tokens=1, end=21.0, ok=True)
+    # sent at 20.0; one chunk at 20.5; ends 21.0; 1 token: no TPOT, no ITL; 3 of 7 prompt tokens cached
+    b = RequestTiming(start=20.0, chunk_times=[20.5], output_tokens=1, end=21.0, ok=True, cached_tokens=3)
     # a failure: counted, but in no latency or token figure
     c = RequestTiming(start=30.0, chunk_times=[30.01], output_tokens=50, end=99.0, ok=False, error="x")
     assert a.ttft == pytest.approx(0.1) and a.e2el == pytest.approx(0.7)
@@ -42,6 +42,7 @@ def test_metrics_from_known_timestamps():
     assert r["request_throughput"] == pytest.approx(1.0)
     assert r["output_throughput"] == pytest.approx(2.5)
     assert r["total_token_throughput"] == pytest.approx(8.5)
+    assert r["prefix_cache_hit_rate"] == pytest.approx(3 / 12)
     # TTFT over [100, 500] ms; linear-interpolated percentiles like numpy
     assert r["mean_ttft_ms"] == pytest.approx(300.0)
     assert r["median_ttft_ms"] == pytest.approx(300.0)
@@ -54,7 +55,7 @@ def test_metrics_from_known_timestamps():
     assert r["mean_e2el_ms"] == pytest.approx(850.0)
     assert r["p99_e2el_ms"] == pytest.approx(700 + 0.99 * 300)
     keys = {"completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-            "request_throughput", "output_throughput", "total_token_throughput"}
+            "request_throughput", "output_throughput", "total_token_throughput", "prefix_cache_hit_rate"}
     keys |= {f"{s}_{m}_ms" for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
     assert set(r) == keys
     table = serve.format_table(r, math.inf, 4)
@@ -206,3 +207,16 @@ def test_bench_serve_chat_poisson_and_failures(server_url, capsys):
                  "--input-len", "4", "--output-len", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["completed"] == 0 and r["failed"] == 3 and r["errors"][0].startswith("ValueError: HTTP 4")
+
+
+def test_shared_prefix_conversations_grow_turn_by_turn_and_wait_for_their_last_turn():
+    from twostep.bench.workloads import shared_prefix
+
+    reqs = shared_prefix(num_conversations=3, turns=2, system_len=10, turn_len=4, output_len=5, vocab_size=100)
+    assert len(reqs) == 6
+    first, second = reqs[:3], reqs[3:]
+    assert all(r.after is None and len(r.prompt_token_ids) == 14 for r in first)
+    for c, r in enumerate(second):
+        assert r.after == c and len(r.prompt_token_ids) == 14 + 5 + 4
+        assert r.prompt_token_ids[:14] == first[c].prompt_token_ids          # its own history first
+    assert len({tuple(r.prompt_token_ids[:10]) for r in reqs}) == 1            # one system prompt

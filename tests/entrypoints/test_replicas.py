@@ -207,8 +207,11 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica(prefix_aware_
 
 
 def test_round_robin_spreads_the_prefix_and_pays_for_it_on_each_replica(prefix_aware_run, model, ray_cluster,
-                                                                        tmp_path):
-    with front_for(model, tmp_path, ray_cluster, "-dp", "2", "--routing-policy", "round_robin") as rr:
+                                                                        one_engine, tmp_path):
+    # each replica tensor parallel as well (2 ranks, a quarter CPU each): still one engine's outputs
+    with front_for(model, tmp_path, ray_cluster, "-dp", "2", "-tp", "2", "--replica-cpus", "0.25",
+                   "--routing-policy", "round_robin") as rr:
+        assert_same_outputs(rr, one_engine)
         rr_run = run_workload(rr)
     aware = [r for r in prefix_aware_run if r[0] == "shared"]
     robin = [r for r in rr_run if r[0] == "shared"]
@@ -236,6 +239,20 @@ def test_a_conversation_stays_on_its_replica(front):
                      {"role": "user", "content": f"Follow-up number {turn}?"}]
     assert len(set(replicas)) == 1, replicas
     assert cached[0] == 0 and all(n > 0 for n in cached[1:]), cached
+
+
+def test_a_stored_response_is_continued_on_the_replica_that_holds_it(front):
+    c = client(front)
+    first = c.responses.create(model="tiny", input="Tell me about the sea.", max_output_tokens=4, store=True)
+    for i in range(6):        # other prompts: without the pin these could land on either replica
+        follow = c.responses.create(model="tiny", input=f"and more, {i}?", previous_response_id=first.id,
+                                    max_output_tokens=4)
+        assert follow.status in ("completed", "incomplete")
+    assert c.responses.retrieve(first.id).id == first.id
+    messages = httpx.post(front.url("/v1/messages"), headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                          json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+                          timeout=60)
+    assert messages.status_code == 200 and messages.json()["type"] == "message"
 
 
 # ---- the front's hardening -----------------------------------------------------------------------

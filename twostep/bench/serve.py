@@ -125,6 +125,7 @@ class RequestTiming:
     end: float = 0.0
     ok: bool = False
     prompt_tokens: int | None = None   # usage.prompt_tokens, when the server reports it
+    cached_tokens: int = 0             # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     error: str = ""
 
     @property
@@ -172,6 +173,7 @@ def summarize(timings: list[RequestTiming], duration: float, input_tokens: list[
         "request_throughput": per_s(len(good)),
         "output_throughput": per_s(total_out),
         "total_token_throughput": per_s(total_in + total_out),
+        "prefix_cache_hit_rate": sum(t.cached_tokens for t, _ in good) / total_in if total_in else 0.0,
     }
     result.update(_ms_stats("ttft", [t.ttft for t, _ in good]))
     result.update(_ms_stats("tpot", [t.tpot for t, _ in good if t.tpot is not None]))
@@ -195,7 +197,8 @@ def format_table(r: dict, request_rate: float, max_concurrency: int | None) -> s
              row("Total generated tokens:", r["total_output_tokens"]),
              row("Request throughput (req/s):", r["request_throughput"], ".2f"),
              row("Output token throughput (tok/s):", r["output_throughput"], ".2f"),
-             row("Total token throughput (tok/s):", r["total_token_throughput"], ".2f")]
+             row("Total token throughput (tok/s):", r["total_token_throughput"], ".2f"),
+             row("Prompt tokens from the prefix cache:", f"{r['prefix_cache_hit_rate']:.1%}")]
     for key, title, label in (("ttft", "Time to First Token", "TTFT"),
                               ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
                               ("itl", "Inter-token Latency", "ITL"),
@@ -247,6 +250,7 @@ def _apply_event(timing: RequestTiming, event, now: float) -> bool:
             timing.output_tokens = int(usage["completion_tokens"])
         if usage.get("prompt_tokens") is not None:
             timing.prompt_tokens = int(usage["prompt_tokens"])
+        timing.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return finished
 
 
@@ -301,10 +305,13 @@ async def run_benchmark(base_url: str, endpoint: str, model: str,
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    finished = [asyncio.Event() for _ in requests]     # a conversation's next turn waits for this one
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter()
 
-        async def one(req: workloads.BenchRequest, offset: float) -> RequestTiming:
+        async def one(i: int, req: workloads.BenchRequest, offset: float) -> RequestTiming:
+            if req.after is not None:
+                await finished[req.after].wait()
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -314,10 +321,11 @@ async def run_benchmark(base_url: str, endpoint: str, model: str,
             else:
                 async with sem:
                     timing = await send_request(client, url, body, headers)
+            finished[i].set()
             bar.update(1)
             return timing
 
-        timings = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+        timings = await asyncio.gather(*(one(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
         duration = time.perf_counter() - t0
     bar.close()
     return list(timings), duration
@@ -349,7 +357,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset", choices=["fixed", "random", "nano-vllm", "long-short"], default="fixed",
+    p.add_argument("--dataset", choices=["fixed", "random", "nano-vllm", "long-short", "shared-prefix"],
+                   default="fixed",
                    help="fixed lengths, random lengths in ranges, nano-vllm's shared workload, or "
                         "long-short: --num-prompts short requests (--input-len, --output-len) with "
                         "--long-prompts long ones spread among them")
@@ -362,6 +371,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prompts", type=int, default=4, help="with --dataset long-short")
     p.add_argument("--long-input-len", type=int, default=2048, help="with --dataset long-short")
     p.add_argument("--long-output-len", type=int, default=16, help="with --dataset long-short")
+    p.add_argument("--conversations", type=int, default=8,
+                   help="with --dataset shared-prefix: chats under one system prompt of --input-len tokens, "
+                        "--turns turns each of --turn-len user tokens and --output-len answer tokens")
+    p.add_argument("--turns", type=int, default=4, help="with --dataset shared-prefix")
+    p.add_argument("--turn-len", type=int, default=64, help="with --dataset shared-prefix")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
                    help=f"prompt token ids are drawn below this (default {DEFAULT_VOCAB}: valid for any "
@@ -382,6 +396,9 @@ def build_workload(args: argparse.Namespace) -> list[workloads.BenchRequest]:
         return workloads.long_and_short(n, args.input_len, args.output_len, args.long_prompts,
                                         args.long_input_len, args.long_output_len, args.vocab_size,
                                         args.workload_seed)
+    if args.dataset == "shared-prefix":
+        return workloads.shared_prefix(args.conversations, args.turns, args.input_len, args.turn_len,
+                                       args.output_len, args.vocab_size, args.workload_seed)
     if args.dataset == "random":
         return workloads.uniform(n, workloads.parse_range(args.random_input_range),
                                  workloads.parse_range(args.random_output_range), args.vocab_size,

@@ -17,6 +17,7 @@ NANO_VLLM = dict(num_prompts=256, input_range=(100, 1024), output_range=(100, 10
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    after: int | None = None     # the request (an index) that must finish before this one is sent
 
 
 def fixed(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
@@ -52,6 +53,25 @@ def long_and_short(num_short: int, short_input: int, short_output: int, num_long
         if long and (i + 1) % every == 0:
             out.append(long.pop(0))
     return out + long
+
+
+def shared_prefix(num_conversations: int, turns: int, system_len: int, turn_len: int, output_len: int,
+                  vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Multi-turn chats under one shared system prompt (the prefix-caching workload): conversation c's
+    turn k is the system prompt, its first k user turns and k - 1 answers (synthetic, output_len tokens
+    each), sent when its turn k - 1 has finished. Conversations are interleaved turn by turn."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(system_len)]
+    history = {c: list(system) for c in range(num_conversations)}
+    last: dict[int, int] = {}
+    out: list[BenchRequest] = []
+    for _ in range(turns):
+        for c in range(num_conversations):
+            history[c] += [rng.randrange(vocab_size) for _ in range(turn_len)]
+            out.append(BenchRequest(list(history[c]), output_len, last.get(c)))
+            last[c] = len(out) - 1
+            history[c] += [rng.randrange(vocab_size) for _ in range(output_len)]
+    return out
 
 
 def nano_vllm(vocab_size: int, num_prompts: int | None = None) -> list[BenchRequest]:

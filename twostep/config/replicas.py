@@ -31,7 +31,7 @@ class ReplicaConfig:
                                  "its prompt's longest prefix (its KV blocks are likely cached there), the "
                                  "least loaded when none did or when load is imbalanced; round_robin: "
                                  "in turn", choices=ROUTING_POLICIES, group=GROUP)
-    routing_imbalance: int = option(8, "requests in flight by which the busiest replica may lead the idlest "
+    routing_imbalance: int = option(4, "requests in flight by which the busiest replica may lead the idlest "
                                     "before a request goes to the least loaded instead of its prefix's "
                                     "replica", group=GROUP)
     replica_cpus: float = option(1.0, "CPUs Ray reserves for each replica (times --tensor-parallel-size); "

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -98,8 +99,9 @@ def run_server(llm_engine: LLMEngine, config: ServerConfig, host: str, port: int
 
 
 def serve_app(app, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0,
-              engine: AsyncEngine | None = None) -> int:
-    """Run app under uvicorn until SIGINT/SIGTERM (or the engine's failure); the exit code."""
+              engine: AsyncEngine | None = None, abort_all: Callable[[], None] | None = None) -> int:
+    """Run app under uvicorn until SIGINT/SIGTERM (or the engine's failure); the exit code. After
+    graceful_timeout seconds of shutdown, abort_all (default: the engine's) ends what still runs."""
     import uvicorn
 
     api_key = getattr(app.state, "api_key", None)
@@ -128,8 +130,9 @@ def serve_app(app, host: str, port: int, log_level: str = "info", graceful_timeo
             if server.should_exit:
                 return
             server.request_exit()
-            if engine is not None:
-                loop.call_later(graceful_timeout, engine.abort_all)
+            end = abort_all or (engine.abort_all if engine is not None else None)
+            if end is not None:
+                loop.call_later(graceful_timeout, end)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)

@@ -185,6 +185,11 @@ class Front:
         self.metrics.replicas.set(len(texts))
         return self.metrics.render(texts)
 
+    async def abort_all(self) -> None:
+        """Every replica ends what it runs (the streams end properly, finish_reason abort)."""
+        for pool in self.pools.values():
+            await pool.ask_all("abort_all")
+
     async def missing_pools(self) -> list[str]:
         """The pools without a live replica."""
         return [name for name, pool in self.pools.items() if not any((await pool.ask_all("ping")).values())]

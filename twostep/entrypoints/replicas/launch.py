@@ -6,6 +6,7 @@ is deleted (each replica aborts what it still runs) and a cluster this process s
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -41,7 +42,7 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, repli
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started_here = replicas.ray_address is None
     logger.info("Ray: %s", "starting a local cluster" if started_here else f"joining {replicas.ray_address}")
-    ray.init(address=replicas.ray_address, namespace="twostep", logging_level=logging.WARNING,
+    ray.init(address=replicas.ray_address or "local", namespace="twostep", logging_level=logging.WARNING,
              log_to_driver=True)
     apps: list[str] = []
     try:
@@ -50,7 +51,9 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, repli
         began = time.monotonic()
         pools = _deploy(serve, f"twostep-{port}", engine_config, server_config, replicas, apps)
         logger.info("%s ready in %.1f s", _describe(replicas), time.monotonic() - began)
-        return serve_app(build_front(pools, server_config), host, port, log_level, graceful_timeout)
+        app = build_front(pools, server_config)
+        return serve_app(app, host, port, log_level, graceful_timeout,
+                         abort_all=lambda: asyncio.ensure_future(app.state.front.abort_all()))
     finally:
         logger.info("stopping the replicas")
         try:

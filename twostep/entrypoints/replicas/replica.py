@@ -53,6 +53,10 @@ class EngineReplica:
         parts = [part async for part in call_app(self.app, ForwardedRequest("GET", "/metrics"), self.replica_id)]
         return self.replica_id, b"".join(p for p in parts if isinstance(p, bytes)).decode()
 
+    async def abort_all(self) -> None:
+        """End every request in flight here (finish_reason abort): the front's shutdown past its grace."""
+        self.app.state.twostep.engine.abort_all()
+
     async def check_health(self) -> None:
         """Ray Serve's health check: an engine whose loop died makes Ray replace the replica."""
         engine = self.app.state.twostep.engine

@@ -48,7 +48,7 @@ class RouteTicket:
 
 
 class TwostepRouter(RequestRouter):
-    def initialize_state(self, policy: str = "prefix_aware", imbalance: int = 8) -> None:
+    def initialize_state(self, policy: str = "prefix_aware", imbalance: int = 4) -> None:
         self.policy, self.imbalance = policy, imbalance
         self.index = PrefixIndex()
         self.ongoing: Counter[str] = Counter()
