@@ -88,6 +88,23 @@ def test_prefix_affinity_then_least_loaded_then_balance():
     assert r.ongoing["a"] == 3
 
 
+def test_in_flight_counts_only_what_a_replica_was_sent():
+    r = router()
+    ticket = RouteTicket(text(2))
+    r._assign("req", "a", ticket)
+    r.on_request_completed(_Id("a"), "broadcast-1")      # a broadcast's call was never counted
+    assert r.ongoing["a"] == 1
+    r._assign("req", "b", ticket)                          # a retry moved it: a is free again
+    assert (r.ongoing["a"], r.ongoing["b"]) == (0, 1)
+    r.on_request_completed(_Id("a"), "req")               # the failed attempt's late completion
+    assert r.ongoing["b"] == 1
+    r.on_request_completed(_Id("b"), "req")
+    assert r.ongoing["b"] == 0 and not r.assigned
+    r._assign("gone", "a", ticket)
+    r._release("gone", None)                               # cancelled before it was sent
+    assert r.ongoing["a"] == 0 and not r.assigned
+
+
 def test_round_robin_and_pins():
     r = router("round_robin")
     picks = [r.choose(RouteTicket(text(4)), ["b", "a"]) for _ in range(4)]

@@ -229,13 +229,14 @@ async def _upstream(request: Request, role: str, url: str, call: Awaitable[T]) -
     """The upstream call's result, None if the client left first (the call is then cancelled,
     which closes its connection); an instance that cannot be reached is a 502."""
     try:
-        return await _unless_client_leaves(request, call)
+        return await unless_client_leaves(request, call)
     except httpx.TransportError as exc:
         what = "did not answer in time" if isinstance(exc, httpx.TimeoutException) else "is unreachable"
         raise ProxyError(502, f"{role} instance {url} {what}: {type(exc).__name__}: {exc}") from exc
 
 
-async def _unless_client_leaves(request: Request, call: Awaitable[T], every: float = 0.1) -> T | None:
+async def unless_client_leaves(request: Request, call: Awaitable[T], every: float = 0.1) -> T | None:
+    """call's result, or None if the client disconnects first (call is then cancelled)."""
     task = asyncio.ensure_future(call)
 
     async def client_leaves() -> None:

@@ -54,6 +54,7 @@ async def call_app(app, request: ForwardedRequest, replica: str) -> AsyncIterato
 
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: messages.put_nowait(None))
+    answered = False
     try:
         while (message := await messages.get()) is not None:
             if message["type"] == "http.response.start":
@@ -63,9 +64,13 @@ async def call_app(app, request: ForwardedRequest, replica: str) -> AsyncIterato
                 if message.get("body"):
                     yield message["body"]
                 if not message.get("more_body"):
-                    return
-        task.result()                  # the app failed before it answered: raise its error
+                    answered = True
+                    break
+        else:
+            task.result()              # the app failed before it answered: raise its error
     finally:
-        gone.set()
-        if not task.done():
+        gone.set()                     # the app sees its client go (or, answered, finishes on its own)
+        if answered:
+            await task
+        elif not task.done():
             task.cancel()

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from twostep.entrypoints.openai.disagg_proxy import CHAT, COMPLETIONS, prefill_body
+from twostep.entrypoints.openai.disagg_proxy import CHAT, CLIENT_GONE, COMPLETIONS, prefill_body, unless_client_leaves
 from twostep.entrypoints.openai.errors import anthropic_error_body, error_response, error_response_for, speaks_anthropic
 from twostep.entrypoints.openai.middleware import BodySizeLimit, RequireAPIKey
 from twostep.entrypoints.openai.state import ServerConfig
@@ -45,6 +46,7 @@ _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "au
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 _STORED = re.compile(r"^/v1/responses/([^/]+)")
 METRICS_TIMEOUT = 5.0
+LIVE_CACHE_S = 1.0           # how long a pool's count of live replicas is trusted
 OWNERS_PER_STORED = 8        # stored responses remembered: this many replicas' worth
 
 
@@ -52,18 +54,32 @@ class ReplicaGone(Exception):
     """The replica died or could not be reached before it answered."""
 
 
-@dataclass(frozen=True)
 class Pool:
-    """A deployment of replicas, by its DeploymentHandle."""
+    """A deployment of replicas, by its DeploymentHandle. may_be_empty: it scales from zero replicas
+    (requests then wait for Ray Serve to start one instead of getting a 503)."""
 
-    name: str
-    handle: Any
+    def __init__(self, name: str, handle: Any, may_be_empty: bool = False) -> None:
+        self.name, self.handle, self.may_be_empty = name, handle, may_be_empty
+        self.streaming = handle.options(stream=True)
+        self._live, self._live_at = 0, -LIVE_CACHE_S
 
     async def ask_all(self, method: str) -> dict[str, Any]:
-        """Every running replica's answer to method() -> (replica id, answer); those that fail are left
-        out (a replica that does not answer in time is not live)."""
-        results = await self.handle.broadcast(method).results_async(timeout_s=METRICS_TIMEOUT, return_exceptions=True)
+        """Every running replica's answer to method() -> (replica id, answer); {} when the pool has no
+        replica or they do not all answer within METRICS_TIMEOUT."""
+        try:
+            results = await self.handle.broadcast(method).results_async(timeout_s=METRICS_TIMEOUT,
+                                                                        return_exceptions=True)
+        except Exception as e:        # noqa: BLE001 -- Ray's: no replica (DeploymentUnavailableError), timeout
+            logger.warning("%s pool: %s() on every replica: %s: %s", self.name, method, type(e).__name__, e)
+            return {}
         return dict(r for r in results if isinstance(r, tuple))
+
+    async def live(self) -> int:
+        """Replicas whose engine runs (asked at most every LIVE_CACHE_S)."""
+        now = time.monotonic()
+        if now - self._live_at >= LIVE_CACHE_S:
+            self._live, self._live_at = sum((await self.ask_all("ping")).values()), now
+        return self._live
 
 
 class Front:
@@ -81,9 +97,14 @@ class Front:
         the router's metrics unless count is False (a /metrics scrape)."""
         from ray.exceptions import RayError
 
-        answer = pool.handle.options(stream=True).forward.remote(ticket, request)
+        if not pool.may_be_empty and not await pool.live():
+            raise ReplicaGone(f"no {pool.name} replica is running (Ray is starting one)")
+        answer = pool.streaming.forward.remote(ticket, request)
         try:
             start = await answer.__anext__()
+        except asyncio.CancelledError:   # the client left: the replica's route aborts its requests
+            answer.cancel()
+            raise
         except (RayError, StopAsyncIteration) as e:
             answer.cancel()
             raise ReplicaGone(f"replica {ticket.replica or '?'} failed before it answered: "
@@ -98,19 +119,19 @@ class Front:
         data = json_object(body) if request.method == "POST" else {}
         text = routing_text(data)
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS)
-        try:
-            if self.prefill is not None and path in (COMPLETIONS, CHAT) and data:
-                prefilled = await self._prefill(path, data, text, headers)
-                if isinstance(prefilled, Response):
-                    return prefilled
-                body = json.dumps({**data, "kv_transfer_params": prefilled}).encode()
-            ticket = RouteTicket(text, pin=self._owner(path, data))
-            start, answer = await self.call(self.main, ticket, ForwardedRequest(
-                request.method, path, request.url.query, headers, body))
+        ticket = RouteTicket(text, pin=self._owner(path, data))
+        try:     # a non-streamed answer comes whole: a client that leaves first cancels it
+            answered = await unless_client_leaves(request, self._answer(ticket, path, data, ForwardedRequest(
+                request.method, path, request.url.query, headers, body)))
         except ReplicaGone as e:
             self.metrics.failures.inc()
             logger.warning("%s %s: %s", request.method, path, e)
             return error_response_for(path, 503, f"{e}; retry", retry_after=1)
+        if answered is None:
+            return Response(status_code=CLIENT_GONE)
+        if isinstance(answered, Response):
+            return answered
+        start, answer = answered
         out_headers = {k: v for k, v in start.headers if k.lower() not in _HOP_HEADERS}
         out_headers |= {"x-twostep-replica": start.replica, "x-twostep-routing": ticket.decision,
                         "x-twostep-prefix-match": f"{ticket.match.ratio:.3f}"}
@@ -118,14 +139,28 @@ class Front:
         return StreamingResponse(self._body(answer, start, path, stores), status_code=start.status,
                                  headers=out_headers)
 
+    async def _answer(self, ticket: RouteTicket, path: str, data: dict, request: ForwardedRequest):
+        """(ResponseStart, the rest) from the main pool, after the prefill pool where there is one;
+        or the prefill replica's error as it is."""
+        if self.prefill is not None and path in (COMPLETIONS, CHAT) and data:
+            prefilled = await self._prefill(path, data, ticket.text, request.headers)
+            if isinstance(prefilled, Response):
+                return prefilled
+            request = dataclasses.replace(request, body=json.dumps({**data, "kv_transfer_params": prefilled}).encode())
+        return await self.call(self.main, ticket, request)
+
     async def _prefill(self, path: str, data: dict, text: str, headers) -> dict | Response:
         """The prompt prefilled on a prefill replica: its kv_transfer_params, or its error as it is."""
+        from ray.exceptions import RayError
+
         request = ForwardedRequest("POST", path, "", headers, json.dumps(prefill_body(data, path == CHAT)).encode())
         start, answer = await self.call(self.prefill, RouteTicket(text), request)
         try:
             body = b"".join([chunk async for chunk in answer])
-        except Exception as e:            # noqa: BLE001 -- a Ray error mid-answer: the replica failed
+        except RayError as e:
             raise ReplicaGone(f"prefill replica {start.replica} failed: {type(e).__name__}") from e
+        finally:
+            answer.cancel()          # no-op once answered; the client left: the prefill is aborted
         if start.status != 200:
             return Response(body, status_code=start.status, media_type="application/json")
         params = json_object(body).get("kv_transfer_params")
@@ -150,8 +185,9 @@ class Front:
             self.metrics.failures.inc()
             message = f"replica {start.replica} failed while answering ({type(e).__name__}); retry"
             logger.warning("%s: %s", path, message)
-            if is_stream:
-                yield stream_error_tail(path, message)
+            if not is_stream:
+                raise        # a body cut short: the connection is dropped, not a truncated 200
+            yield stream_error_tail(path, message)
         finally:
             answer.cancel()        # the client went away: the replica's route aborts its requests
 

@@ -17,7 +17,7 @@ class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.routed = Counter(PREFIX + "router_requests", "Requests routed, by replica and decision "
-                              "(prefix, least_loaded, balance, round_robin, pinned).", ["replica", "decision"],
+                              "(prefix, least_loaded, balance, round_robin, pinned, overflow).", ["replica", "decision"],
                               registry=self.registry)
         self.match = Histogram(PREFIX + "router_prefix_match_ratio", "Share of a routed prompt's leading "
                                "blocks the chosen replica was sent before.", buckets=MATCH_BUCKETS,

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import time
 
 from twostep.config import EngineConfig, KVTransferConfig
@@ -49,11 +50,18 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, repli
         _check_resources(ray, engine_config, replicas)
         serve.start(proxy_location="Disabled")
         began = time.monotonic()
-        pools = _deploy(serve, f"twostep-{port}", engine_config, server_config, replicas, apps)
+        # one application per front: named by its port and host (fronts on one cluster must differ)
+        pools = _deploy(serve, f"twostep-{port}-{socket.gethostname()}", engine_config, server_config, replicas, apps)
         logger.info("%s ready in %.1f s", _describe(replicas), time.monotonic() - began)
-        app = build_front(pools, server_config)
-        return serve_app(app, host, port, log_level, graceful_timeout,
-                         abort_all=lambda: asyncio.ensure_future(app.state.front.abort_all()))
+        front = build_front(pools, server_config)
+        ending: set[asyncio.Task] = set()      # the shutdown's abort, held until it is done
+
+        def abort_all() -> None:
+            task = asyncio.ensure_future(front.state.front.abort_all())
+            ending.add(task)
+            task.add_done_callback(ending.discard)
+
+        return serve_app(front, host, port, log_level, graceful_timeout, abort_all=abort_all)
     finally:
         logger.info("stopping the replicas")
         try:
@@ -82,7 +90,7 @@ def _deploy(serve, name: str, engine_config: EngineConfig, server_config: Server
         app = f"{name}-{role}"
         apps.append(app)
         handle = serve.run(deployment.bind(config, server_config), name=app, route_prefix=None)
-        return Pool(role, handle)
+        return Pool(role, handle, may_be_empty=scale.get("autoscaling_config", {}).get("min_replicas", 1) == 0)
 
     config = dataclasses.replace(engine_config, num_threads=engine_config.num_threads
                                  or max(1, int(replicas.replica_cpus)))

@@ -23,6 +23,7 @@ from twostep.entrypoints.replicas.prefix_index import Match, PrefixIndex, block_
 logger = logging.getLogger(__name__)
 
 PREFIX, LEAST_LOADED, BALANCE, ROUND_ROBIN, PINNED = "prefix", "least_loaded", "balance", "round_robin", "pinned"
+OVERFLOW = "overflow"        # the chosen replica was full: Ray sent it to the next one
 
 
 @dataclass(slots=True)
@@ -65,7 +66,12 @@ class TwostepRouter(RequestRouter):
         if not isinstance(ticket, RouteTicket) or not ranked:
             return [[by_id[rid] for rid in ranked]]
         chosen = self.choose(ticket, ranked)
-        self._assign(pending_request.metadata.internal_request_id, chosen, ticket)
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self.assigned:      # a request cancelled before it was sent is no load
+            pending_request.future.add_done_callback(
+                lambda f: self._release(request_id, None) if f.cancelled() else None)
+        self._assign(request_id, chosen, ticket)
+        pending_request.routing_context.should_backoff = True   # all full: Ray waits before asking again
         return [[by_id[chosen]], [by_id[rid] for rid in ranked if rid != chosen]]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
@@ -74,12 +80,19 @@ class TwostepRouter(RequestRouter):
         rid = replica_id.unique_id
         if isinstance(ticket, RouteTicket) and ticket.replica != rid:
             ticket.replica, ticket.match = rid, self.index.match(rid, ticket.hashes)
-            ticket.decision = ticket.decision if ticket.decision == PINNED else BALANCE
+            ticket.decision = ticket.decision if ticket.decision == PINNED else OVERFLOW
             self._assign(pending_request.metadata.internal_request_id, rid, ticket)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        rid = self.assigned.pop(internal_request_id, replica_id.unique_id)
-        self.ongoing[rid] = max(0, self.ongoing[rid] - 1)
+        """Only for the replica a request is counted on: not a broadcast's (never assigned), not an
+        attempt that a retry moved elsewhere."""
+        self._release(internal_request_id, replica_id.unique_id)
+
+    def _release(self, request_id: str, rid: str | None) -> None:
+        counted = self.assigned.get(request_id)
+        if counted is not None and rid in (None, counted):
+            del self.assigned[request_id]
+            self.ongoing[counted] = max(0, self.ongoing[counted] - 1)
 
     def _assign(self, request_id: str, rid: str, ticket: RouteTicket) -> None:
         """Counted as in flight on rid from the moment it is chosen (a burst of requests is chosen
