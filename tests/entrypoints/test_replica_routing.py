@@ -88,6 +88,18 @@ def test_prefix_affinity_then_least_loaded_then_balance():
     assert r.ongoing["a"] == 3
 
 
+def test_a_busy_replica_gives_way_to_the_best_match_among_the_others():
+    r = router(imbalance=2)
+    r.index.insert("a", block_hashes(text(8)))
+    r.index.insert("b", block_hashes(text(3)))
+    r.ongoing["a"], r.ongoing["b"], r.ongoing["c"] = 5, 1, 0
+    ticket = RouteTicket(text(8))
+    assert r.choose(ticket, ["c", "b", "a"]) == "b"          # a is too busy; b holds more than c
+    assert ticket.decision == "balance" and ticket.match.blocks == 3
+    r.ongoing["a"] = 2
+    assert r.choose(RouteTicket(text(8)), ["c", "b", "a"]) == "a"
+
+
 def test_in_flight_counts_only_what_a_replica_was_sent():
     r = router()
     ticket = RouteTicket(text(2))

@@ -31,9 +31,9 @@ class ReplicaConfig:
                                  "its prompt's longest prefix (its KV blocks are likely cached there), the "
                                  "least loaded when none did or when load is imbalanced; round_robin: "
                                  "in turn", choices=ROUTING_POLICIES, group=GROUP)
-    routing_imbalance: int = option(4, "requests in flight by which the busiest replica may lead the idlest "
-                                    "before a request goes to the least loaded instead of its prefix's "
-                                    "replica", group=GROUP)
+    routing_imbalance: int = option(4, "requests in flight by which a replica may lead the idlest and still "
+                                    "get the requests whose prefix it holds; a busier one is passed over "
+                                    "for the best match among the others", group=GROUP)
     replica_cpus: float = option(1.0, "CPUs Ray reserves for each replica (times --tensor-parallel-size); "
                                  "a replica's engine uses as many threads", group=GROUP)
     prefill_replicas: int = option(0, "prefill/decode disaggregation on Ray: this many prefill replicas "

@@ -4,8 +4,9 @@ DeploymentHandle that calls the replicas; Ray Serve LLM's PrefixCacheAffinityRou
 prefix_aware: the replica holding the longest run of the prompt's leading blocks (prefix_index.py)
 gets it, so a conversation's turns, a shared system prompt or a RAG template stay where their KV
 blocks are cached; with no match the least loaded replica gets it (ties: the one holding the fewest
-blocks, so new prefixes spread). When the busiest replica has more than `imbalance` requests in flight
-beyond the idlest, affinity gives way and the least loaded gets the request. round_robin: in turn.
+blocks, so new prefixes spread). Only replicas within `imbalance` requests in flight of the idlest
+are candidates: a busier one's affinity gives way (`balance`) to the best match among the others.
+round_robin: in turn.
 
 Every decision is written on the request's RouteTicket (the front puts it in response headers and
 metrics). A ticket may pin a replica (a stored response lives on the replica that made it).
@@ -128,13 +129,15 @@ class TwostepRouter(RequestRouter):
             self.turn += 1
             return self._decide(ticket, sorted(ranked)[self.turn % len(ranked)], ROUND_ROBIN)
         least = ranked[0]
-        if self.ongoing[ranked[-1]] - self.ongoing[least] > self.imbalance:
-            return self._decide(ticket, least, BALANCE)
+        if not ticket.hashes:
+            return self._decide(ticket, least, LEAST_LOADED)
         matches = {rid: self.index.match(rid, ticket.hashes).blocks for rid in ranked}
-        best = max(ranked, key=lambda rid: matches[rid])     # ranked order breaks ties: less loaded
-        if matches[best] > 0:
-            return self._decide(ticket, best, PREFIX)
-        return self._decide(ticket, least, LEAST_LOADED)
+        # replicas within `imbalance` requests of the idlest; ranked order breaks ties: less loaded
+        eligible = [rid for rid in ranked if self.ongoing[rid] - self.ongoing[least] <= self.imbalance]
+        best, top = max(eligible, key=lambda rid: matches[rid]), max(matches.values())
+        if top == 0:
+            return self._decide(ticket, least, LEAST_LOADED)
+        return self._decide(ticket, best, PREFIX if matches[best] == top else BALANCE)
 
     def _decide(self, ticket: RouteTicket, rid: str, decision: str) -> str:
         ticket.replica, ticket.decision, ticket.match = rid, decision, self.index.match(rid, ticket.hashes)
