@@ -407,3 +407,16 @@ def test_autoscaling_adds_a_replica_under_load(model, ray_cluster, tmp_path):
             for w in workers:
                 w.join()
         assert not failures, failures[:3]
+
+
+def test_a_server_that_started_its_own_cluster_stops_it(model, tmp_path):
+    with contextlib.closing(serving(model, tmp_path, "-dp", "2", "--replica-cpus", "0.5", **FRONT)) as servers:
+        local = next(servers)                  # no --ray-address: a new local cluster on this machine
+        r = httpx.post(local.url("/v1/completions"), json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(replica_pids(local)) == 2
+    deadline = time.monotonic() + 30           # exited 0 on SIGTERM (serving checks), replicas gone too
+    while replica_pids(local):
+        assert time.monotonic() < deadline, "the local cluster's replicas outlived the server"
+        time.sleep(0.5)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 
 from twostep.config import EngineConfig, KVTransferConfig
@@ -22,6 +23,8 @@ from twostep.entrypoints.replicas.replica import EngineReplica
 from twostep.entrypoints.replicas.router import TwostepRouter
 
 logger = logging.getLogger(__name__)
+
+DELETE_TIMEOUT_S = 60.0      # replicas get their graceful shutdown (10 s) and some
 
 
 def import_ray():
@@ -64,13 +67,21 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, repli
         return serve_app(front, host, port, log_level, graceful_timeout, abort_all=abort_all)
     finally:
         logger.info("stopping the replicas")
-        try:
-            for app in apps:
-                serve.delete(app)
-            if started_here:
-                serve.shutdown()
-        finally:
-            ray.shutdown()
+        if not started_here:    # they live on a cluster that outlives this process: delete them
+            _within(DELETE_TIMEOUT_S, lambda: [serve.delete(app) for app in apps], "deleting the replicas")
+        # a cluster this process started stops with it, replicas included (its processes share this
+        # one's process group: a Ctrl-C or a group's SIGTERM may have stopped them already, which
+        # would leave a Serve call waiting forever)
+        ray.shutdown()
+
+
+def _within(seconds: float, work, what: str) -> None:
+    """work() in a thread, given up after seconds (a cluster that stopped answering)."""
+    done = threading.Thread(target=work, name=what, daemon=True)
+    done.start()
+    done.join(seconds)
+    if done.is_alive():
+        logger.warning("%s: no answer from the Ray cluster in %.0f s; leaving it", what, seconds)
 
 
 def _deploy(serve, name: str, engine_config: EngineConfig, server_config: ServerConfig,
