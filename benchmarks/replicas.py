@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from disagg import TWOSTEP, Processes     # the same servers' start, health wait and stop
 
-TWOSTEP = [str(Path(sys.executable).with_name("twostep")), "--log-level", "WARNING"]
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "output_throughput", "prefix_cache_hit_rate",
         "duration", "failed")
 SETUPS = {
@@ -40,32 +37,6 @@ for _n in (2, 8):     # --routing-imbalance other than its default (4)
     SETUPS[f"2 replicas, imbalance {_n}"] = ["-dp", "2", "--replica-cpus", "1", "--routing-imbalance", str(_n)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(args, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    model = ["--model", args.model] if args.model else []
-    proc = subprocess.Popen([*TWOSTEP, "serve", *model, "--max-model-len", str(args.max_model_len),
-                             "--port", str(port), *extra], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: see {log}")
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not become healthy: see {log}")
-
-
 def bench(base: str, args, out: Path, seed: int) -> dict:
     cmd = [*TWOSTEP, "bench", "serve", "--base-url", base, "--dataset", "shared-prefix", "--workload-seed", str(seed),
            "--conversations", str(args.conversations), "--turns", str(args.turns),
@@ -76,13 +47,12 @@ def bench(base: str, args, out: Path, seed: int) -> dict:
 
 
 def run_setup(name: str, args, work: Path) -> dict:
-    proc, base = start(args, SETUPS[name], work / f"{name.replace(' ', '_')}-{time.monotonic_ns()}.log")
-    try:
+    model = ["--model", args.model] if args.model else []
+    with Processes(work) as procs:
+        base = procs.start(name.replace(" ", "_"), ["serve", *model, "--max-model-len", str(args.max_model_len),
+                                                    *SETUPS[name]])
         bench(base, args, work / "warm.json", seed=1)   # warm-up (kernels, allocations) on other prompts
         return bench(base, args, work / f"{time.monotonic_ns()}.json", seed=0)
-    finally:
-        proc.terminate()
-        proc.wait(120)
 
 
 def main() -> None:

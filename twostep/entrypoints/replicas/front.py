@@ -210,7 +210,7 @@ class Front:
             start, answer = await self.call(pool, RouteTicket(), ForwardedRequest("GET", "/health"), count=False)
             async for _ in answer:
                 pass
-            logger.info("%s pool: %d replicas", name, len(await pool.ask_all("ping")))
+            logger.info("%s pool: %d replicas", name, await pool.live())
 
     # ---- /metrics, /health ------------------------------------------------------------------------
 
@@ -228,7 +228,7 @@ class Front:
 
     async def missing_pools(self) -> list[str]:
         """The pools without a live replica."""
-        return [name for name, pool in self.pools.items() if not any((await pool.ask_all("ping")).values())]
+        return [name for name, pool in self.pools.items() if not await pool.live()]
 
 
 def stream_error_tail(path: str, message: str) -> bytes:
